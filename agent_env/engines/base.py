@@ -1,0 +1,66 @@
+"""One async protocol for every inference engine: token ids in → token ids, log-probs, finish reason out.
+
+Engines never re-tokenize: the episode hands them the exact prompt ids and keeps the exact ids
+they sample (token-in-token-out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings for one generate call (names as in vLLM)."""
+
+    max_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    stop: list[str] = field(default_factory=list)  # stop strings; included in the output
+    stop_token_ids: list[int] = field(default_factory=list)  # e.g. <|im_end|>; included in the output
+    seed: int | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """What one generate call returns.
+
+    ``token_ids`` are exactly the sampled ids (a matched stop string / stop token is included,
+    nothing is appended); ``logprobs[i]`` is the engine's log-probability of ``token_ids[i]``
+    under the (temperature-scaled) sampling distribution; ``finish_reason`` is ``"stop"``
+    (stop token or stop string), ``"length"`` (max_tokens reached) or ``"abort"``.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@runtime_checkable
+class Engine(Protocol):
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        ...
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights (on-policy training). Must leave no stale cache behind."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+class EngineError(Exception):
+    """Engine misconfiguration (missing extra, bad model path)."""
+
+
+def missing_extra(package: str, extra: str) -> EngineError:
+    """The one clear error for an optional dependency that is not installed."""
+    return EngineError(
+        f"this engine needs the optional package '{package}', which is not installed: "
+        f"pip install 'otb-tir[{extra}]'"
+    )
+

