@@ -30,8 +30,10 @@ class GenerationOutput:
     """What one generate call returns.
 
     ``token_ids`` are exactly the sampled ids (a matched stop string / stop token is included,
-    nothing is appended); ``logprobs[i]`` is the engine's log-probability of ``token_ids[i]``
-    under the (temperature-scaled) sampling distribution; ``finish_reason`` is ``"stop"``
+    nothing is appended); ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under
+    softmax(logits / temperature) over the full vocabulary (top-p/top-k truncation not
+    renormalized in), i.e. what the trainer recomputes with the same temperature;
+    ``finish_reason`` is ``"stop"``
     (stop token or stop string), ``"length"`` (max_tokens reached) or ``"abort"``.
     """
 
