@@ -1,0 +1,1 @@
+"""The single-machine trainer: SFT warm start, PPO with TIR-OTB advantages, configuration."""
