@@ -1,0 +1,143 @@
+"""SGLangEngine: what can be tested honestly without sglang (which needs CUDA).
+
+The request/response translation is tested on data shaped like sglang's documented
+``async_generate`` results; construction without sglang must raise the one missing-extra error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent_env.engines import EngineError, GenerationOutput, SamplingParams
+from agent_env.engines.sglang import SGLangEngine, build_sglang_request, parse_sglang_output
+
+# Recorded shape of one sglang offline-engine result (return_logprob=True, tokenizer initialised,
+# no_stop_trim=True): a stop token (<|im_end|> = 151645) matched and kept.
+RECORDED_STOP_TOKEN = {
+    "text": "The answer is \\boxed{4}.<|im_end|>",
+    "output_ids": [785, 4226, 374, 1124, 151645],
+    "meta_info": {
+        "id": "5b8f0c1e2a",
+        "finish_reason": {"type": "stop", "matched": 151645},
+        "prompt_tokens": 12,
+        "completion_tokens": 5,
+        "cached_tokens": 0,
+        "e2e_latency": 0.05,
+        "output_token_logprobs": [
+            [-0.51, 785, None],
+            [-1.25, 4226, None],
+            [-0.03, 374, None],
+            [-2.75, 1124, None],
+            [-0.0004, 151645, None],
+        ],
+    },
+}
+
+RECORDED_STOP_STR = {
+    "text": "x = 1\n</tool_call>",
+    "meta_info": {
+        "finish_reason": {"type": "stop", "matched": "</tool_call>"},
+        "completion_tokens": 3,
+        "output_token_logprobs": [(-0.7, 87, "x"), (-0.2, 284, " ="), (-0.9, 522, "</tool_call>")],
+    },
+}
+
+RECORDED_LENGTH = {
+    "text": "abc",
+    "output_ids": [64, 65],
+    "meta_info": {
+        "finish_reason": {"type": "length", "length": 2},
+        "output_token_logprobs": [[-3.0, 64, None], [-4.5, 65, None]],
+    },
+}
+
+RECORDED_ABORT = {
+    "text": "",
+    "output_ids": [],
+    "meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}, "output_token_logprobs": []},
+}
+
+
+def test_construction_without_sglang_raises_the_missing_extra_error() -> None:
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here: the missing-extra path cannot be exercised")
+    with pytest.raises(EngineError, match=r"pip install 'otb-tir\[sglang\]'"):
+        SGLangEngine("/nonexistent/model")
+
+
+def test_request_carries_ids_logprobs_and_contract_flags() -> None:
+    params = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=20, stop=["</tool_call>"],
+                            stop_token_ids=[151645], seed=3)
+    req = build_sglang_request([1, 2, 3], params)
+    assert req["input_ids"] == [1, 2, 3]
+    assert req["return_logprob"] is True
+    assert req["logprob_start_len"] == -1
+    sp = req["sampling_params"]
+    assert sp == {
+        "max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "no_stop_trim": True,
+        "skip_special_tokens": False, "stop": ["</tool_call>"], "stop_token_ids": [151645], "sampling_seed": 3,
+    }
+    # Nothing optional leaks in when unset.
+    plain = build_sglang_request([5], SamplingParams())["sampling_params"]
+    assert "stop" not in plain and "stop_token_ids" not in plain and "sampling_seed" not in plain
+
+
+@pytest.mark.parametrize("ids,params,match", [
+    ([], SamplingParams(), "prompt_ids is empty"),
+    ([1], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1], SamplingParams(temperature=-1.0), "temperature"),
+])
+def test_request_rejects_bad_input(ids: list[int], params: SamplingParams, match: str) -> None:
+    with pytest.raises(EngineError, match=match):
+        build_sglang_request(ids, params)
+
+
+def test_parse_stop_token_keeps_the_stop_token() -> None:
+    out = parse_sglang_output(RECORDED_STOP_TOKEN)
+    assert out == GenerationOutput([785, 4226, 374, 1124, 151645], [-0.51, -1.25, -0.03, -2.75, -0.0004], "stop")
+
+
+def test_parse_stop_string_length_abort() -> None:
+    assert parse_sglang_output(RECORDED_STOP_STR) == GenerationOutput([87, 284, 522], [-0.7, -0.2, -0.9], "stop")
+    assert parse_sglang_output(RECORDED_LENGTH) == GenerationOutput([64, 65], [-3.0, -4.5], "length")
+    assert parse_sglang_output(RECORDED_ABORT) == GenerationOutput([], [], "abort")
+
+
+def test_parse_rejects_inconsistent_or_incomplete_outputs() -> None:
+    bad_ids = {**RECORDED_LENGTH, "output_ids": [64, 66]}
+    with pytest.raises(EngineError, match="disagree"):
+        parse_sglang_output(bad_ids)
+    with pytest.raises(EngineError, match="return_logprob"):
+        parse_sglang_output({"text": "", "meta_info": {"finish_reason": {"type": "stop"}}})
+    with pytest.raises(EngineError, match="meta_info"):
+        parse_sglang_output({"text": ""})
+    with pytest.raises(EngineError, match="finish_reason"):
+        parse_sglang_output({"meta_info": {"finish_reason": {"type": "weird"}, "output_token_logprobs": []}})
+    with pytest.raises(EngineError, match="no log-prob"):
+        parse_sglang_output({"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[None, 3, None]]}})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32),
+                       st.integers(min_value=0, max_value=200_000)), max_size=40),
+    st.sampled_from(["stop", "length", "abort"]),
+    st.booleans(),
+)
+def test_parse_round_trips_any_shaped_output(pairs: list[tuple[float, int]], kind: str, with_ids: bool) -> None:
+    raw = {
+        "text": "ignored",
+        "meta_info": {"finish_reason": {"type": kind}, "output_token_logprobs": [[lp, tid, None] for lp, tid in pairs]},
+    }
+    if with_ids:
+        raw["output_ids"] = [tid for _, tid in pairs]
+    out = parse_sglang_output(raw)
+    assert out.token_ids == [tid for _, tid in pairs]
+    assert all(math.isclose(a, b) for a, b in zip(out.logprobs, [lp for lp, _ in pairs]))
+    assert len(out.logprobs) == len(out.token_ids)
+    assert out.finish_reason == kind
