@@ -1,0 +1,72 @@
+"""Checkpoints that survive SIGKILL: model, optimizer, scheduler, data cursor and RNG states.
+
+Each checkpoint is written to a temporary folder and renamed into place, so a run killed mid-save
+leaves the previous checkpoint intact; ``latest`` is read by listing complete ``step_*`` folders.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Atomically write ``state`` (any torch-serializable dict) as ``root/step_<step>``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".tmp_step_{step}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    torch.save(state, tmp / "state.pt")
+    with open(tmp / "state.pt", "rb") as f:
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / "state.pt").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def load_latest(root: str | Path) -> tuple[int, dict[str, Any]] | None:
+    """(step, state) of the newest complete checkpoint, or None."""
+    ckpts = list_checkpoints(root)
+    if not ckpts:
+        return None
+    path = ckpts[-1]
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    return int(_STEP.match(path.name).group(1)), state

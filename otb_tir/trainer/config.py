@@ -1,0 +1,233 @@
+"""Training configuration: dataclasses (the schema) + YAML + dotted command-line overrides.
+
+Names follow verl where the concept is the same (``rollout.n``, ``actor.optim.lr``,
+``algorithm.adv_estimator``, ``multi_turn.max_assistant_turns``). An unknown or ill-typed key
+fails at start with :class:`~otb_tir.ConfigError` naming the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from otb_tir import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # local HF causal LM folder; None → the built-in warm-started tiny policy
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (training params stay float32; bf16 = autocast)
+    warm_start_steps: int = 300  # SFT steps of the built-in tiny policy (cached per settings)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in generator
+    val_files: list[str] = field(default_factory=list)
+    train_size: int = 4000  # built-in generator only
+    val_size: int = 100
+    train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  # hf | vllm | sglang
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
+    max_tokens_per_turn: int = 96
+    max_batch_size: int = 64
+
+
+@dataclass
+class MultiTurnConfig:
+    format: str = "hermes"  # hermes | code_block
+    max_assistant_turns: int = 3
+    max_tool_response_length: int = 48  # tokens
+    tool_response_truncate_side: str = "middle"  # head | tail | middle
+    max_parallel_calls: int = 4
+    tools: list[str] = field(default_factory=lambda: ["python", "calculator"])
+    tool_config_path: str | None = None  # verl-style tools YAML; replaces `tools` when set
+    tool_timeout: float = 5.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | cosine
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (× rollout.n trajectories), as verl
+    ppo_micro_batch_size: int = 16  # trajectories per forward/backward
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    grad_clip: float = 1.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    entropy_coeff: float = 0.0
+    fused_token_stats: bool = True  # Σπ² / log-probs from hidden states, never the [T, V] logits
+    token_stats_chunk: int = 512
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class FilterConfig:
+    void_turns: bool = False  # mask trajectories with a void turn (SimpleTIR)
+    overlong: bool = False  # mask trajectories cut by the response budget
+    all_equal_reward_groups: bool = False  # drop groups whose rewards are all equal (no signal)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "tir_optimal_token_baseline"  # | optimal_token_baseline | grpo | rloo
+    handle_zero_tail: bool = True
+    norm_adv_by_std_in_grpo: bool = True
+    rollout_is: bool = False  # truncated IS weights π_old/π_rollout passed to the estimator
+    rollout_is_threshold: float = 2.0
+    filter: FilterConfig = field(default_factory=FilterConfig)
+
+
+@dataclass
+class RewardConfig:
+    format_reward: float = 0.0
+    tool_use_reward: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    size: int = 100  # held-out problems
+    n: int = 1
+    temperature: float = 0.0
+    before: bool = True
+    after: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    name: str = "local"  # local | verl
+    total_steps: int = 20
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    output_dir: str = "runs/tir_math"
+    save_every: int = 5
+    keep_checkpoints: int = 2
+    resume: bool = False
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + wandb
+    project_name: str = "otb-tir"
+    experiment_name: str = "tir_math"
+    n_gpus_per_node: int = 1  # verl path
+    nnodes: int = 1  # verl path
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.name": ("hf", "vllm", "sglang"),
+    "multi_turn.format": ("hermes", "code_block"),
+    "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),
+    "actor.optim.lr_scheduler": ("constant", "cosine"),
+    "algorithm.adv_estimator": ("tir_optimal_token_baseline", "optimal_token_baseline", "grpo", "rloo"),
+    "trainer.name": ("local", "verl"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+}
+
+
+def _valid_keys(prefix: str) -> list[str]:
+    """The keys allowed at the dotted path ``prefix`` of the schema ([] if it is not a section)."""
+    obj: Any = Config()
+    for part in [p for p in prefix.split(".") if p]:
+        obj = getattr(obj, part, None)
+    return [f.name for f in fields(obj)] if is_dataclass(obj) else []
+
+
+def _key_error(key: str) -> ConfigError:
+    parent, _, leaf = key.rpartition(".")
+    valid = _valid_keys(parent)
+    hint = difflib.get_close_matches(leaf, valid, n=1)
+    where = f"under '{parent}'" if parent else "at the top level"
+    msg = f"unknown config key '{key}'; valid keys {where}: {', '.join(valid)}"
+    if hint:
+        msg += f" (did you mean '{(parent + '.' if parent else '') + hint[0]}'?)"
+    return ConfigError(msg)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+    """Schema defaults ← YAML file ← ``key=value`` overrides, validated.
+
+    Raises ConfigError for unknown keys, values of the wrong type and values outside ``CHOICES``.
+    """
+    cfg = OmegaConf.structured(Config)
+    sources: list[tuple[str, Any]] = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        sources.append((str(path), OmegaConf.load(path)))
+    # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command).
+    overrides = [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o for o in overrides]
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value (e.g. rollout.n=4), got: {bad}")
+    if overrides:
+        sources.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+    for origin, src in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, src)
+        except (ConfigKeyError, ConfigAttributeError) as e:
+            key = getattr(e, "full_key", None) or str(e)
+            raise _key_error(str(key)) from None
+        except ValidationError as e:
+            raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
+        except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
+            raise ConfigError(f"{origin}: {e}") from None
+    for key, choices in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"'{key}' must be one of {', '.join(choices)}; got {value!r}")
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    positive = ["rollout.n", "rollout.response_length", "rollout.max_tokens_per_turn", "data.train_batch_size",
+                "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "actor.ppo_epochs",
+                "multi_turn.max_assistant_turns", "actor.token_stats_chunk"]
+    for key in positive:
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")
+    if cfg.trainer.total_steps < 0:
+        raise ConfigError("'trainer.total_steps' must be >= 0")
+    if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"'data.train_batch_size' ({cfg.data.train_batch_size}) must be a multiple of "
+            f"'actor.ppo_mini_batch_size' ({cfg.actor.ppo_mini_batch_size}), as in verl"
+        )
+    if cfg.rollout.temperature < 0:
+        raise ConfigError("'rollout.temperature' must be >= 0")

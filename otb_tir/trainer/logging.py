@@ -1,0 +1,134 @@
+"""Metrics sinks: console, JSONL, TensorBoard, W&B (optional), and a ``curves.png`` a person can open."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+log = logging.getLogger(__name__)
+
+# The curves drawn in curves.png (those present in the metrics).
+CURVES = (
+    "reward/mean", "reward/accuracy", "val/accuracy", "tools/call_rate", "tools/success_rate",
+    "episode/turns_mean", "response/length_mean", "adv/mean_abs", "variance/pure_noise",
+    "actor/pg_loss", "actor/entropy", "actor/grad_norm", "timing/step_s",
+)
+
+
+class MetricsLogger:
+    """Writes one dict of floats per step to every configured sink.
+
+    ``metrics.jsonl`` (one JSON object per line, with ``step``), TensorBoard event files under
+    ``tensorboard/``, an optional W&B run, and ``curves.png`` redrawn every ``plot_every`` steps.
+    """
+
+    def __init__(self, output_dir: str | Path, loggers: Iterable[str] = ("console", "jsonl", "tensorboard"),
+                 project: str = "otb-tir", experiment: str = "run", config: Mapping[str, Any] | None = None,
+                 plot_every: int = 1, resume: bool = False):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = set(loggers)
+        unknown = self.loggers - {"console", "jsonl", "tensorboard", "wandb"}
+        if unknown:
+            from otb_tir import ConfigError
+
+            raise ConfigError(f"unknown logger(s) {sorted(unknown)}; valid: console, jsonl, tensorboard, wandb")
+        self.plot_every = plot_every
+        self.history: list[dict[str, float]] = []
+        self.jsonl_path = self.dir / "metrics.jsonl"
+        if resume and self.jsonl_path.exists():
+            self.history = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+        elif self.jsonl_path.exists():
+            self.jsonl_path.unlink()
+        self._tb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self._wandb = None
+        if "wandb" in self.loggers:
+            try:
+                import wandb
+            except ImportError as e:  # pragma: no cover - optional
+                raise ImportError("logger 'wandb' needs: pip install wandb") from e
+            self._wandb = wandb.init(project=project, name=experiment, config=dict(config or {}), dir=str(self.dir))
+
+    def truncate(self, step: int) -> None:
+        """Forget metrics after ``step`` (a resumed run re-does the steps after its checkpoint)."""
+        self.history = [h for h in self.history if h["step"] <= step]
+        with open(self.jsonl_path, "w") as f:
+            for h in self.history:
+                f.write(json.dumps(h) + "\n")
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        row = {"step": step, **{k: _to_float(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        if "jsonl" in self.loggers:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(dict(row), step=step)
+        if "console" in self.loggers:
+            log.info("step %d | %s", step, format_metrics(row))
+        if self.plot_every and step % self.plot_every == 0:
+            self.plot()
+
+    def plot(self, path: str | Path | None = None) -> Path | None:
+        """Redraw ``curves.png`` from the history (atomic replace)."""
+        keys = [k for k in CURVES if any(k in h for h in self.history)]
+        if not keys:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        cols = 3
+        rows = math.ceil(len(keys) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            pts = [(h["step"], h[key]) for h in self.history if key in h and math.isfinite(h[key])]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3)
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        fig.tight_layout()
+        out = Path(path) if path else self.dir / "curves.png"
+        tmp = out.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=90)
+        plt.close(fig)
+        os.replace(tmp, out)
+        return out
+
+    def close(self) -> None:
+        self.plot()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _to_float(v: Any) -> float:
+    try:
+        return float(v.item() if hasattr(v, "item") else v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def format_metrics(row: Mapping[str, float], keys: Iterable[str] = (
+    "reward/accuracy", "reward/mean", "tools/call_rate", "tools/success_rate", "episode/turns_mean",
+    "response/length_mean", "actor/pg_loss", "actor/grad_norm", "timing/step_s")) -> str:
+    return " ".join(f"{k.split('/', 1)[-1]}={row[k]:.3g}" for k in keys if k in row)

@@ -1,0 +1,52 @@
+"""Config: defaults, YAML + overrides, and a clear ConfigError for every kind of bad key."""
+
+import pytest
+
+from otb_tir import ConfigError
+from otb_tir.trainer.config import CHOICES, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("rollout:\n  n: 4\nactor:\n  optim:\n    lr: 0.001\n")
+    cfg = load_config(y, ["rollout.n=2", "data.train_files=[a.parquet,b.parquet]", "trainer=verl"])
+    assert cfg.rollout.n == 2 and cfg.actor.optim.lr == 0.001
+    assert list(cfg.data.train_files) == ["a.parquet", "b.parquet"]
+    assert cfg.trainer.name == "verl"
+    assert cfg.algorithm.adv_estimator == "tir_optimal_token_baseline"
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (["rollout.nn=3"], "did you mean 'rollout.n'"),
+        (["actor.optim.lrr=1"], "valid keys under 'actor.optim': lr"),
+        (["foo=1"], "valid keys at the top level: model, data"),
+        (["rollout.n=abc"], "bad value for 'rollout.n'"),
+        (["algorithm.adv_estimator=gae"], "must be one of tir_optimal_token_baseline"),
+        (["rollout"], "key=value"),
+        (["rollout.n=0"], "'rollout.n' must be > 0"),
+        (["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "multiple of"),
+    ],
+)
+def test_bad_config_fails_with_name_and_choices(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, override)
+    assert fragment in str(e.value)
+
+
+def test_missing_file_and_bad_yaml_key(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    y = tmp_path / "bad.yaml"
+    y.write_text("actor:\n  clip_ratio: 0.2\n")
+    with pytest.raises(ConfigError, match="unknown config key 'actor.clip_ratio'"):
+        load_config(y)
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).resolve().parents[2].glob("recipes/configs/*.yaml")):
+        cfg = load_config(path)  # raises ConfigError on any unknown / ill-typed key
+        assert cfg.algorithm.adv_estimator in CHOICES["algorithm.adv_estimator"]
