@@ -1,0 +1,133 @@
+"""The built-in math generator: determinism, disjoint splits, answers checked by sympy, parquet IO."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sympy
+from hypothesis import given, settings, strategies as st
+
+from agent_env import EnvError
+from agent_env.data import DATA_SOURCE, KINDS, load_parquet, make_split, write_parquet
+
+x = sympy.Symbol("x")
+
+
+def _sympy_answer(item: dict) -> sympy.Expr:
+    """Recompute the answer from the question text itself, independently of the generator's
+    arithmetic: equations are solved with sympy.solve, everything else evaluated by sympy."""
+    info = item["extra_info"]
+    q = info["question"]
+    if info["kind"] == "linear":
+        eq = q.split(":", 1)[1] if ":" in q else q.split("if", 1)[1]
+        lhs, rhs = eq.rstrip(".").split("=")
+        (sol,) = sympy.solve(sympy.sympify(lhs) - sympy.sympify(rhs), x)
+        return sol
+    if info["kind"] == "quadratic":
+        eq = q.split(" of ")[-1] if " of " in q else q.split(" with ")[-1]
+        lhs = eq.split("=")[0]
+        sols = sympy.solve(sympy.sympify(lhs), x)
+        assert len(sols) == 2 and all(s.is_integer for s in sols)
+        return max(sols)
+    return sympy.sympify(info["expression"])
+
+
+def test_deterministic_and_prefix_stable():
+    a = make_split("train", 300, seed=3)
+    assert a == make_split("train", 300, seed=3)
+    assert make_split("train", 100, seed=3) == a[:100]
+    assert a != make_split("train", 300, seed=4)
+    assert make_split("test", 50, seed=3) == make_split("test", 50, seed=3)
+
+
+def test_verl_format_and_distinct():
+    items = make_split("test", 400, seed=0)
+    keys = set()
+    for i, item in enumerate(items):
+        assert item["data_source"] == DATA_SOURCE and item["agent_name"] == "tool_agent"
+        assert item["prompt"][0]["role"] == "user" and "\\boxed{}" in item["prompt"][0]["content"]
+        assert item["reward_model"]["style"] == "rule"
+        assert item["extra_info"]["index"] == i and item["extra_info"]["split"] == "test"
+        keys.add(item["prompt"][0]["content"])
+    assert len(keys) == len(items)
+    assert {item["extra_info"]["kind"] for item in items} == set(KINDS)
+
+
+def test_splits_disjoint_for_any_seeds():
+    train = {i["prompt"][0]["content"] for s in (0, 1) for i in make_split("train", 1500, seed=s)}
+    test = {i["prompt"][0]["content"] for s in (0, 1, 2) for i in make_split("test", 500, seed=s)}
+    assert not train & test
+    # the numbers alone (phrasing aside) never repeat across splits either
+    def numbers(item):
+        return (item["extra_info"]["kind"], item["extra_info"]["expression"])
+    assert not {numbers(i) for i in make_split("train", 1500, seed=7)} & {
+        numbers(i) for i in make_split("test", 500, seed=8)}
+
+
+def test_answers_checked_by_sympy():
+    for split in ("train", "test"):
+        for item in make_split(split, 400, seed=11):
+            truth = sympy.Rational(item["reward_model"]["ground_truth"])
+            assert sympy.simplify(_sympy_answer(item) - truth) == 0, item
+            # the tool expression evaluates to the answer as well
+            assert sympy.sympify(item["extra_info"]["expression"]) == truth, item
+            # answers are canonical: integers, or reduced fractions
+            assert str(Fraction(item["reward_model"]["ground_truth"])) == item["reward_model"]["ground_truth"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**9), kind=st.sampled_from(KINDS))
+def test_any_seed_any_kind_is_sympy_correct(seed, kind):
+    for item in make_split("train", 5, seed=seed, kinds=[kind]):
+        assert item["extra_info"]["kind"] == kind
+        assert sympy.simplify(_sympy_answer(item) - sympy.Rational(item["reward_model"]["ground_truth"])) == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(EnvError, match="unknown split"):
+        make_split("valid", 3)
+    with pytest.raises(EnvError, match="unknown problem kinds"):
+        make_split("train", 3, kinds=["calculus"])
+    with pytest.raises(EnvError, match="non-negative"):
+        make_split("train", -1)
+
+
+def test_parquet_round_trip(tmp_path):
+    items = make_split("train", 50, seed=2)
+    path = write_parquet(items, tmp_path / "d" / "arith.parquet")
+    back = load_parquet(path)
+    assert back == items
+    # read by plain pyarrow (what verl's RLHFDataset does) the columns are the verl ones
+    table = pq.read_table(path)
+    assert {"data_source", "prompt", "reward_model", "extra_info", "agent_name"} <= set(table.column_names)
+
+
+def test_load_parquet_errors(tmp_path):
+    with pytest.raises(EnvError, match="not found"):
+        load_parquet(tmp_path / "nope.parquet")
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "hi"}]}]), bad)
+    with pytest.raises(EnvError, match=r"lacks the verl column\(s\) \['data_source', 'reward_model'\]"):
+        load_parquet(bad)
+    no_truth = tmp_path / "no_truth.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "x", "prompt": [{"role": "user", "content": "hi"}],
+                                          "reward_model": {"style": "rule"}}]), no_truth)
+    with pytest.raises(EnvError, match="ground_truth"):
+        load_parquet(no_truth)
+    text = tmp_path / "text.parquet"
+    text.write_text("not parquet")
+    with pytest.raises(EnvError, match="not a readable parquet"):
+        load_parquet(text)
+
+
+def test_load_parquet_defaults_and_json_extra_info(tmp_path):
+    path = tmp_path / "min.parquet"
+    pq.write_table(pa.Table.from_pylist([{
+        "data_source": "s", "prompt": [{"role": "user", "content": "1+1?"}],
+        "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": json.dumps({"a": 1})}]), path)
+    (row,) = load_parquet(path)
+    assert row["extra_info"] == {"a": 1} and row["agent_name"] == "tool_agent"
