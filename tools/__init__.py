@@ -1,5 +1,24 @@
-"""tools: the Tool protocol, registry, the sandboxed Python executor and the sympy calculator."""
+"""tools: the Tool protocol, registry, the sandboxed Python executor and the sympy calculator.
+
+Make a tool by subclassing :class:`Tool`, by decorating a typed function with :func:`tool`, or
+by listing classes in a verl-style YAML file (:func:`load_tools`); build one by name with
+:func:`get_tool`. Episodes call ``await tool.invoke(args)``, which never raises.
+"""
 
 from tools.base import ErrorKind, Tool, ToolError, ToolResult
+from tools.decorator import FunctionTool, tool
+from tools.registry import get_tool, list_tools, load_tools, register_tool, unregister_tool
 
-__all__ = ["ErrorKind", "Tool", "ToolError", "ToolResult"]
+__all__ = [
+    "ErrorKind",
+    "FunctionTool",
+    "Tool",
+    "ToolError",
+    "ToolResult",
+    "get_tool",
+    "list_tools",
+    "load_tools",
+    "register_tool",
+    "tool",
+    "unregister_tool",
+]
