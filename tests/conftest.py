@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny Qwen3 policy built locally (no download).
+
+* ``tiny_model_dir`` – the cached ``save_pretrained`` folder (tokenizer + model), built once
+  (under ``$OTB_TIR_CACHE`` or ``~/.cache/otb_tir``; atomic, safe across parallel processes).
+* ``tiny_tokenizer`` – ``AutoTokenizer.from_pretrained(tiny_model_dir)``.
+* ``tiny_model`` – ``AutoModelForCausalLM.from_pretrained(tiny_model_dir)`` in eval mode, shared by
+  the whole session: treat it as read-only. Tests that train or change weights use
+  ``tiny_model_factory()`` to get a private copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from agent_env.tiny import tiny_policy_dir
+
+    return tiny_policy_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tiny_model_dir) -> Callable:
+    """Call it to get a fresh (private, eval-mode, fp32) copy of the tiny model."""
+    from transformers import AutoModelForCausalLM
+
+    def make():
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory):
+    return tiny_model_factory()
