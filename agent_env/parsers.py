@@ -1,0 +1,174 @@
+"""Tool-call parsers, chosen by name: ``hermes`` and ``code_block``.
+
+A parser reads the text of one assistant turn and returns the tool calls it contains, in order.
+A call the model got wrong (bad JSON, no name, arguments not an object, unterminated tag) is
+returned as a :class:`ParsedCall` with ``error`` set: the episode turns it into an error
+observation the model reads, and counts it. Parsers never raise on model text.
+
+- ``hermes`` (Qwen2.5 / Qwen3 / Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  any number per turn. ``arguments`` may also be a JSON-encoded string (some models do that).
+- ``code_block`` (ToRL / SimpleTIR style): every fenced ````` ```python ````` block is a call to
+  the ``python`` tool with ``{"code": <block>}``. Its result goes back as a ``tool`` message whose
+  content is a fenced ````` ```output ````` block (see :func:`format_observation`), so both parsers
+  share the chat-template machinery of the episode.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent_env import EnvError
+
+__all__ = ["ParsedCall", "ToolCallParser", "HermesParser", "CodeBlockParser", "get_parser", "PARSERS"]
+
+
+@dataclass
+class ParsedCall:
+    """One tool call found in a turn. ``error`` (an ``ErrorKind`` value) is set for a malformed
+    call, with ``error_message`` saying what was wrong; ``raw`` is the text of the call."""
+
+    name: str | None
+    arguments: dict[str, Any] = field(default_factory=dict)
+    raw: str = ""
+    error: str | None = None
+    error_message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class ToolCallParser(Protocol):
+    name: str
+
+    def parse(self, text: str) -> list[ParsedCall]:
+        ...
+
+    def format_observation(self, text: str) -> str:
+        """The content of the ``tool`` message that returns ``text`` to the model."""
+        ...
+
+
+_MALFORMED = "malformed_call"  # == tools.ErrorKind.MALFORMED_CALL (kept literal: parsers need no tools import)
+
+
+def _is_json(s: str) -> bool:
+    try:
+        json.loads(s)
+    except ValueError:
+        return False
+    return True
+
+
+class HermesParser:
+    """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks, several per turn."""
+
+    name = "hermes"
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    def parse(self, text: str) -> list[ParsedCall]:
+        calls: list[ParsedCall] = []
+        pos = 0
+        while True:
+            i = text.find(self.open_tag, pos)
+            if i < 0:
+                break
+            body_start = i + len(self.open_tag)
+            j = text.find(self.close_tag, body_start)
+            if j < 0:
+                raw = text[i:]
+                calls.append(ParsedCall(None, raw=raw, error=_MALFORMED,
+                                        error_message="unterminated <tool_call> (no </tool_call>)"))
+                break
+            # A "</tool_call>" may sit inside a JSON string: prefer the first closing tag that
+            # makes the body valid JSON (a few candidates), else the first one.
+            k = j
+            for _ in range(8):
+                if _is_json(text[body_start:k]):
+                    j = k
+                    break
+                k = text.find(self.close_tag, k + len(self.close_tag))
+                if k < 0:
+                    break
+            body = text[body_start:j]
+            pos = j + len(self.close_tag)
+            nested = body.rfind(self.open_tag)
+            if nested >= 0:
+                # "<tool_call> junk <tool_call>{...}</tool_call>": the outer opening is unterminated.
+                calls.append(ParsedCall(None, raw=text[i:body_start + nested], error=_MALFORMED,
+                                        error_message="<tool_call> opened inside another <tool_call>"))
+                body_start = body_start + nested + len(self.open_tag)
+                body = text[body_start:j]
+            calls.append(self._parse_body(body, raw=text[body_start - len(self.open_tag):pos]))
+        return calls
+
+    @staticmethod
+    def _parse_body(body: str, raw: str) -> ParsedCall:
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            return ParsedCall(None, raw=raw, error=_MALFORMED, error_message=f"tool call is not valid JSON: {e}")
+        if not isinstance(obj, dict):
+            return ParsedCall(None, raw=raw, error=_MALFORMED,
+                              error_message='tool call must be a JSON object {"name": ..., "arguments": {...}}')
+        name = obj.get("name")
+        if not isinstance(name, str) or not name:
+            return ParsedCall(None, raw=raw, error=_MALFORMED, error_message='tool call has no "name" string')
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                return ParsedCall(name, raw=raw, error=_MALFORMED,
+                                  error_message=f'"arguments" is a string that is not valid JSON: {e}')
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            return ParsedCall(name, raw=raw, error=_MALFORMED, error_message='"arguments" must be a JSON object')
+        return ParsedCall(name, arguments=args, raw=raw)
+
+    def format_observation(self, text: str) -> str:
+        return text
+
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py)[ \t]*\n(?P<code>.*?)(?P<close>```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+class CodeBlockParser:
+    """Fenced ```python blocks, each a call to the ``python`` tool (ToRL / SimpleTIR style)."""
+
+    name = "code_block"
+    tool_name = "python"
+
+    def parse(self, text: str) -> list[ParsedCall]:
+        calls: list[ParsedCall] = []
+        for m in _FENCE.finditer(text):
+            code = m.group("code")
+            if m.group("close") != "```":
+                calls.append(ParsedCall(self.tool_name, raw=m.group(0), error=_MALFORMED,
+                                        error_message="unterminated ```python block (no closing ```)"))
+                continue
+            if not code.strip():
+                calls.append(ParsedCall(self.tool_name, raw=m.group(0), error=_MALFORMED,
+                                        error_message="empty ```python block"))
+                continue
+            calls.append(ParsedCall(self.tool_name, arguments={"code": code}, raw=m.group(0)))
+        return calls
+
+    def format_observation(self, text: str) -> str:
+        return "```output\n" + text.rstrip("\n") + "\n```"
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser, "code_block": CodeBlockParser}
+
+
+def get_parser(name: str) -> ToolCallParser:
+    """The parser registered under ``name`` (``hermes`` or ``code_block``)."""
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise EnvError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)}") from None
