@@ -1,0 +1,518 @@
+"""Per-token statistics of the policy: log-prob of the sampled token, entropy, and Σπ².
+
+Σπ² (the sum of squared vocabulary probabilities, ``Σ_v π(v)²``) is the statistic the Optimal
+Token Baseline needs besides the log-prob. Computed naively (``softmax → square → sum``) it costs
+several extra ``[T, V]`` float32 tensors: 2.5 GB each at T = 4096, V = 151,936. Everything here
+works on chunks of tokens, so the extra memory is a few ``[chunk, V]`` buffers:
+
+- :func:`sum_pi_squared_from_logits` — Σπ² alone from logits (detached).
+- :func:`token_stats_from_logits` — log-prob, entropy and Σπ² from logits in one pass.
+- :func:`token_stats_from_hidden` — the same from the last hidden states and the LM-head weight,
+  never materializing the ``[T, V]`` logits (forward *and* backward recompute the logits of one
+  chunk at a time).
+- :func:`token_stats_for_causal_lm` — the helper the trainer calls on a transformers causal LM.
+
+Maths, for one token with scaled logits ``z = logits / temperature`` and ``m = max z``,
+``e = exp(z − m)``, ``s = Σ e``::
+
+    log π(y) = z_y − m − log s
+    H        = log s − Σ e·(z − m) / s
+    Σπ²      = Σ e² / s² = exp(logsumexp(2z) − 2·logsumexp(z))
+
+All statistics are accumulated in float32 (float64 inputs stay float64). Low-precision logits
+(bf16/fp16) are upcast one chunk at a time.
+
+Gradients: the two ``*_from_logits``/``*_from_hidden`` functions are custom autograd functions.
+All three outputs are differentiable (d log π / dz = onehot − π; dH/dz = −π·(log π + H);
+dΣπ²/dz = 2π·(π − Σπ²), each divided by the temperature); the backward pass only computes the
+terms of the outputs that actually received a gradient, so using only the log-probs in the loss
+costs nothing extra. Detach entropy / Σπ² yourself if you store them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from otb_tir import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "TokenStats",
+    "sum_pi_squared_from_logits",
+    "token_stats_from_logits",
+    "token_stats_from_hidden",
+    "token_stats_for_causal_lm",
+]
+
+#: Default size of one ``[chunk, V]`` float32 working buffer; the chunk (in tokens) is derived
+#: from it as ``max(1, DEFAULT_CHUNK_BYTES // (4 * V))`` (110 tokens at V = 151,936).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics, each shaped like the labels (float32, or float64 for float64 inputs)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    sum_pi_squared: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_temperature(temperature: float) -> float:
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ConfigError(f"temperature must be a positive number, got {temperature!r}") from None
+    if not math.isfinite(t) or t <= 0:
+        raise ConfigError(f"temperature must be a positive finite number, got {temperature!r}")
+    return t
+
+
+def _resolve_chunk(chunk: int | None, vocab: int) -> int:
+    if chunk is None:
+        return max(1, DEFAULT_CHUNK_BYTES // (4 * max(vocab, 1)))
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"chunk must be a positive int (tokens per chunk) or None, got {chunk!r}")
+    return chunk
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ConfigError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _check_labels(labels: torch.Tensor, expected_shape: torch.Size, vocab: int, what: str) -> None:
+    if not isinstance(labels, torch.Tensor):
+        raise ConfigError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ConfigError(f"labels must be an integer tensor of token ids, got dtype {labels.dtype}")
+    if labels.shape != expected_shape:
+        raise ConfigError(
+            f"labels shape {tuple(labels.shape)} must equal the {what} shape without its last "
+            f"dimension, {tuple(expected_shape)}"
+        )
+    if labels.numel():
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= vocab:
+            raise ConfigError(
+                f"labels must be token ids in [0, {vocab}), got values in [{lo}, {hi}] "
+                "(replace padding/ignore ids such as -100 by a valid id and mask them out)"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# the per-chunk kernels (plain torch; one chunk = [c, V]). Working buffers are allocated once per
+# call and reused by every chunk: fresh multi-MB allocations page-fault on every chunk (on CPU a
+# fresh buffer made `exp` 4x slower than writing into a reused one).
+
+# log π and z − max z are clamped here before they multiply π: below it π is exactly 0 in float32
+# (exp underflows below −104) and float64 (below −746), so the clamp changes no finite product
+# and turns 0·(−inf) (a masked vocabulary entry) into 0 instead of NaN.
+_LOG_FLOOR = -1.0e4
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products of two [c, V] tensors without a [c, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
+
+
+def _forward_chunk(
+    x: torch.Tensor, labels: torch.Tensor, temperature: float, zs: torch.Tensor, e: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """(log π(label), entropy, Σπ², max x, log Σ exp(z − max z)) of one chunk of raw logits ``x``.
+
+    ``zs`` and ``e`` are [c, V] compute-dtype buffers (``x`` may be ``zs`` itself).
+    """
+    m = x.amax(dim=-1, keepdim=True).to(zs.dtype)
+    torch.sub(x, m, out=zs)
+    if temperature != 1.0:
+        zs.div_(temperature)  # zs = z − max z ≤ 0, with z = x / T
+    torch.exp(zs, out=e)
+    s = e.sum(dim=-1)
+    s2 = _rowdot(e, e)
+    lp = zs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    zs.clamp_min_(_LOG_FLOOR)
+    ez = _rowdot(e, zs)
+    log_s = s.log()
+    return lp - log_s, log_s - ez / s, s2 / (s * s), m.squeeze(-1), log_s
+
+
+def _grad_chunk(
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    m: torch.Tensor,
+    log_s: torch.Tensor,
+    ent: torch.Tensor,
+    sp: torch.Tensor,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    g_sp: torch.Tensor | None,
+    temperature: float,
+    logp: torch.Tensor,
+    p: torch.Tensor,
+) -> torch.Tensor:
+    """d(loss)/d(raw logits) of one chunk, written into (and returned as) the buffer ``p``.
+
+    grad_z = π·(a − g_H·log π + 2·g_sp·π) + g_lp·onehot(label), a = −g_lp − g_H·H − 2·g_sp·Σπ²;
+    then divided by T. ``x`` may be ``logp`` itself.
+    """
+    torch.sub(x, m.unsqueeze(-1), out=logp)
+    if temperature != 1.0:
+        logp.div_(temperature)
+    logp.sub_(log_s.unsqueeze(-1))  # log π, exactly as in the forward pass
+    torch.exp(logp, out=p)
+    a = torch.zeros_like(m)
+    if g_lp is not None:
+        a = a - g_lp
+    if g_ent is not None:
+        a = a - g_ent * ent
+    if g_sp is not None:
+        a = a - 2.0 * g_sp * sp
+    if g_ent is None and g_sp is None:
+        grad = p.mul_(a.unsqueeze(-1))
+    else:
+        inner = logp
+        if g_ent is not None:
+            inner.clamp_min_(_LOG_FLOOR).mul_(-g_ent.unsqueeze(-1)).add_(a.unsqueeze(-1))
+        else:
+            inner.zero_().add_(a.unsqueeze(-1))
+        if g_sp is not None:
+            inner.addcmul_(p, (2.0 * g_sp).unsqueeze(-1))
+        grad = p.mul_(inner)
+    if g_lp is not None:
+        grad.scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
+def _grads(g_lp, g_ent, g_sp, sl: slice, cd: torch.dtype):
+    return tuple(None if g is None else g[sl].to(cd) for g in (g_lp, g_ent, g_sp))
+
+
+# --------------------------------------------------------------------------------------------
+# autograd functions (inputs already flattened: logits [N, V] / hidden [N, H], labels [N])
+
+
+class _LogitsStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int):
+        n, vocab = logits.shape
+        cd = _compute_dtype(logits.dtype)
+        out = [torch.empty(n, dtype=cd, device=logits.device) for _ in range(5)]
+        c = min(chunk, n)
+        zbuf = torch.empty(c, vocab, dtype=cd, device=logits.device)
+        ebuf = torch.empty_like(zbuf)
+        for i in range(0, n, chunk):
+            j = min(i + chunk, n)
+            r = _forward_chunk(logits[i:j], labels[i:j], temperature, zbuf[: j - i], ebuf[: j - i])
+            for dst, src in zip(out, r):
+                dst[i:j] = src
+        del zbuf, ebuf
+        lp, ent, sp, m, log_s = out
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels, m, log_s, ent, sp)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return lp, ent, sp
+
+    @staticmethod
+    def backward(ctx: Any, g_lp, g_ent, g_sp):
+        logits, labels, m, log_s, ent, sp = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or (g_lp is None and g_ent is None and g_sp is None):
+            return None, None, None, None
+        n, vocab = logits.shape
+        cd = _compute_dtype(logits.dtype)
+        grad = torch.empty(n, vocab, dtype=logits.dtype, device=logits.device)
+        c = min(ctx.chunk, n)
+        zbuf = torch.empty(c, vocab, dtype=cd, device=logits.device)
+        pbuf = None if cd == logits.dtype else torch.empty_like(zbuf)
+        for i in range(0, n, ctx.chunk):
+            j = min(i + ctx.chunk, n)
+            sl = slice(i, j)
+            p = grad[sl] if pbuf is None else pbuf[: j - i]  # write in place when dtypes agree
+            g = _grad_chunk(
+                logits[sl], labels[sl], m[sl], log_s[sl], ent[sl], sp[sl], *_grads(g_lp, g_ent, g_sp, sl, cd),
+                ctx.temperature, zbuf[: j - i], p,
+            )  # fmt: skip
+            if pbuf is not None:
+                grad[sl] = g
+        return grad, None, None, None
+
+
+def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """Raw logits ``h @ W.T (+ b)`` of one chunk into ``out``, in the input dtype (as ``nn.Linear``)."""
+    if bias is None:
+        return torch.mm(h, weight.T, out=out)
+    return torch.addmm(bias, h, weight.T, out=out)
+
+
+class _HiddenStats(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        temperature: float,
+        chunk: int,
+    ):
+        n = hidden.shape[0]
+        vocab = weight.shape[0]
+        cd = _compute_dtype(hidden.dtype)
+        out = [torch.empty(n, dtype=cd, device=hidden.device) for _ in range(5)]
+        c = min(chunk, n)
+        zbuf = torch.empty(c, vocab, dtype=cd, device=hidden.device)
+        ebuf = torch.empty_like(zbuf)
+        rawbuf = zbuf if hidden.dtype == cd else torch.empty(c, vocab, dtype=hidden.dtype, device=hidden.device)
+        for i in range(0, n, chunk):
+            j = min(i + chunk, n)
+            raw = _project(hidden[i:j], weight, bias, rawbuf[: j - i])
+            r = _forward_chunk(raw, labels[i:j], temperature, zbuf[: j - i], ebuf[: j - i])
+            for dst, src in zip(out, r):
+                dst[i:j] = src
+        del zbuf, ebuf, rawbuf
+        lp, ent, sp, m, log_s = out
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, labels, m, log_s, ent, sp)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return lp, ent, sp
+
+    @staticmethod
+    def backward(ctx: Any, g_lp, g_ent, g_sp):
+        hidden, weight, bias, labels, m, log_s, ent, sp = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if not (need_h or need_w or need_b) or (g_lp is None and g_ent is None and g_sp is None):
+            return None, None, None, None, None, None
+        n = hidden.shape[0]
+        vocab = weight.shape[0]
+        dt = hidden.dtype
+        cd = _compute_dtype(dt)
+        gh = torch.empty(hidden.shape, dtype=dt, device=hidden.device) if need_h else None
+        # weight / bias gradients are summed over chunks in the compute dtype (float32 for bf16).
+        gw = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
+        gb = torch.zeros(bias.shape, dtype=cd, device=bias.device) if need_b else None
+        c = min(ctx.chunk, n)
+        zbuf = torch.empty(c, vocab, dtype=cd, device=hidden.device)
+        pbuf = torch.empty_like(zbuf)
+        rawbuf = zbuf if dt == cd else torch.empty(c, vocab, dtype=dt, device=hidden.device)
+        for i in range(0, n, ctx.chunk):
+            j = min(i + ctx.chunk, n)
+            sl = slice(i, j)
+            h = hidden[sl]
+            raw = _project(h, weight, bias, rawbuf[: j - i])
+            g = _grad_chunk(
+                raw, labels[sl], m[sl], log_s[sl], ent[sl], sp[sl], *_grads(g_lp, g_ent, g_sp, sl, cd),
+                ctx.temperature, zbuf[: j - i], pbuf[: j - i],
+            )  # fmt: skip
+            if gw is not None:
+                gw.addmm_(g.mT, h.to(cd))
+            if gb is not None:
+                gb += g.sum(0)
+            if gh is not None:
+                if dt != cd:
+                    g = rawbuf[: j - i].copy_(g)  # the logits' gradient in the input dtype, as autograd would
+                torch.mm(g, weight, out=gh[sl])
+        gw = None if gw is None else gw.to(weight.dtype)
+        gb = None if gb is None else gb.to(bias.dtype)
+        return gh, gw, gb, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(
+    logits: torch.Tensor, temperature: float = 1.0, chunk: int | None = None
+) -> torch.Tensor:
+    """Σπ² = Σ_v softmax(logits / temperature)_v² over the last dimension, chunked over tokens.
+
+    Equal to ``exp(logsumexp(2z) − 2·logsumexp(z))``; computed as ``Σe²/(Σe)²`` with
+    ``e = exp(z − max z)``, in float32 (float64 for float64 input), ``chunk`` tokens at a time
+    (default: a 64 MiB float32 buffer's worth), so the extra memory is a few ``[chunk, V]``
+    buffers. Works on ``[..., V]``; returns ``[...]``. The result is detached (use
+    :func:`token_stats_from_logits` for a differentiable Σπ²).
+    """
+    _check_float("logits", logits)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ConfigError(f"logits must have a non-empty last (vocabulary) dimension, got shape {tuple(logits.shape)}")
+    t = _check_temperature(temperature)
+    vocab = logits.shape[-1]
+    c = _resolve_chunk(chunk, vocab)
+    flat = logits.reshape(-1, vocab)
+    n = flat.shape[0]
+    cd = _compute_dtype(logits.dtype)
+    out = torch.empty(n, dtype=cd, device=logits.device)
+    zbuf = torch.empty(min(c, n), vocab, dtype=cd, device=logits.device)
+    for i in range(0, n, c):
+        j = min(i + c, n)
+        x = flat[i:j]
+        e = torch.sub(x, x.amax(dim=-1, keepdim=True).to(cd), out=zbuf[: j - i])
+        if t != 1.0:
+            e.div_(t)
+        e.exp_()
+        s = e.sum(dim=-1)
+        out[i:j] = _rowdot(e, e) / (s * s)
+    return out.view(logits.shape[:-1])
+
+
+def token_stats_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int | None = None,
+) -> TokenStats:
+    """Log-prob of ``labels``, entropy and Σπ² of ``softmax(logits / temperature)``, one pass.
+
+    ``logits``: ``[..., V]`` (any float dtype; bf16/fp16 are upcast one chunk at a time);
+    ``labels``: integer ``[...]`` in ``[0, V)``. Returns :class:`TokenStats` of ``[...]`` tensors
+    (float32; float64 for float64 logits). Extra memory: a few ``[chunk, V]`` buffers (default
+    chunk: a 64 MiB float32 buffer's worth of tokens). All three outputs are differentiable with
+    respect to ``logits`` (see the module docstring); the backward pass writes the ``[..., V]``
+    gradient chunk by chunk.
+    """
+    _check_float("logits", logits)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ConfigError(f"logits must have a non-empty last (vocabulary) dimension, got shape {tuple(logits.shape)}")
+    vocab = logits.shape[-1]
+    _check_labels(labels, logits.shape[:-1], vocab, "logits")
+    if labels.device != logits.device:
+        raise ConfigError(f"labels are on {labels.device} but logits on {logits.device}")
+    t = _check_temperature(temperature)
+    c = _resolve_chunk(chunk, vocab)
+    lp, ent, sp = _LogitsStats.apply(logits.reshape(-1, vocab), labels.reshape(-1).long(), t, c)
+    shape = labels.shape
+    return TokenStats(lp.view(shape), ent.view(shape), sp.view(shape))
+
+
+def token_stats_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> TokenStats:
+    """Fused LM head + statistics: the stats of ``softmax((hidden @ W.T + bias) / temperature)``.
+
+    ``hidden``: ``[..., H]``; ``lm_head_weight``: ``[V, H]`` (same dtype and device as
+    ``hidden``); ``labels``: integer ``[...]``; optional ``bias``: ``[V]``. The ``[..., V]`` logits
+    are never materialized: forward and backward each recompute ``chunk`` tokens' logits at a time
+    (the matmul runs in the input dtype, exactly as ``nn.Linear`` would; the statistics in
+    float32). Gradients flow to ``hidden``, ``lm_head_weight`` and ``bias`` (weight/bias gradients
+    are accumulated over chunks in float32 for low-precision inputs).
+    """
+    _check_float("hidden", hidden)
+    _check_float("lm_head_weight", lm_head_weight)
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[0] < 1:
+        raise ConfigError(f"lm_head_weight must be [V, H] with V ≥ 1, got shape {tuple(lm_head_weight.shape)}")
+    if hidden.ndim < 1 or hidden.shape[-1] != lm_head_weight.shape[1]:
+        raise ConfigError(
+            f"hidden's last dimension must equal lm_head_weight's H = {lm_head_weight.shape[1]}, "
+            f"got hidden shape {tuple(hidden.shape)}"
+        )
+    if hidden.dtype != lm_head_weight.dtype or hidden.device != lm_head_weight.device:
+        raise ConfigError(
+            f"hidden ({hidden.dtype}, {hidden.device}) and lm_head_weight ({lm_head_weight.dtype}, "
+            f"{lm_head_weight.device}) must share dtype and device"
+        )
+    vocab, hdim = lm_head_weight.shape
+    if bias is not None:
+        _check_float("bias", bias)
+        if bias.shape != (vocab,) or bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise ConfigError(f"bias must be [{vocab}] with hidden's dtype and device, got {tuple(bias.shape)} {bias.dtype}")
+    _check_labels(labels, hidden.shape[:-1], vocab, "hidden")
+    if labels.device != hidden.device:
+        raise ConfigError(f"labels are on {labels.device} but hidden on {hidden.device}")
+    t = _check_temperature(temperature)
+    c = _resolve_chunk(chunk, vocab)
+    lp, ent, sp = _HiddenStats.apply(
+        hidden.reshape(-1, hdim), lm_head_weight, bias, labels.reshape(-1).long(), t, c
+    )
+    shape = labels.shape
+    return TokenStats(lp.view(shape), ent.view(shape), sp.view(shape))
+
+
+# Config attributes that make a model's logits differ from ``hidden @ W.T``: the fused path would
+# silently compute the wrong distribution for them.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def token_stats_for_causal_lm(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+    temperature: float = 1.0,
+    fused: bool = True,
+    chunk: int | None = None,
+) -> TokenStats:
+    """Token statistics of the response tokens of a transformers causal LM, ``[B, response_length]``.
+
+    Runs the decoder backbone (``model.get_decoder()``) on ``input_ids [B, P+R]`` and scores
+    ``responses = input_ids[:, -R:]`` with the hidden states of the positions that predict them
+    (``[:, -R-1:-1]``) against ``model.get_output_embeddings()`` — tied embeddings included. With
+    ``fused=True`` this goes through :func:`token_stats_from_hidden` (no ``[B, R, V]`` logits);
+    ``fused=False`` applies the LM head and uses :func:`token_stats_from_logits`. Models whose
+    logits are not a plain linear map of the hidden state (soft-capping, logit scaling) need
+    ``fused=False``.
+    """
+    if isinstance(response_length, bool) or not isinstance(response_length, int):
+        raise ConfigError(f"response_length must be an int, got {response_length!r}")
+    if input_ids.ndim != 2:
+        raise ConfigError(f"input_ids must be [B, P+R], got shape {tuple(input_ids.shape)}")
+    r = response_length
+    if not 0 <= r < input_ids.shape[1]:
+        raise ConfigError(
+            f"response_length must be in [0, {input_ids.shape[1]}) (at least one prompt token "
+            f"must precede the response), got {r}"
+        )
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ConfigError(f"{type(model).__name__} has no output embedding (LM head) with a weight")
+    config = getattr(model, "config", None)
+    if fused:
+        for attr in _LOGIT_TRANSFORMS:
+            val = getattr(config, attr, None)
+            if val not in (None, 1, 1.0):
+                raise ConfigError(
+                    f"{type(model).__name__} sets config.{attr}={val!r}: its logits are not "
+                    "hidden @ W.T, so the fused path does not apply; pass fused=False"
+                )
+    backbone = model.get_decoder()
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    labels = input_ids[:, input_ids.shape[1] - r :]
+    h = hidden[:, hidden.shape[1] - r - 1 : hidden.shape[1] - 1, :]
+    if fused:
+        weight, bias = head.weight, getattr(head, "bias", None)
+        weight, bias = _full(weight), _full(bias)
+        if weight.dtype != h.dtype:  # e.g. an fp32 head under autocast: score as nn.Linear would
+            h = h.to(weight.dtype)
+        return token_stats_from_hidden(h, weight, labels, temperature, chunk, bias=bias)
+    logits = head(h)
+    return token_stats_from_logits(logits, labels, temperature, chunk)
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded DTensor parameter (FSDP2) gathered to a full, differentiable tensor."""
+    if t is not None and hasattr(t, "full_tensor") and hasattr(t, "placements"):
+        return t.full_tensor()
+    return t
