@@ -1,0 +1,535 @@
+"""HFEngine: a transformers causal LM in process, with continuous batching over asyncio.
+
+Many episodes ``await engine.generate(...)`` at once; a background asyncio task gathers their
+requests into one running batch that shares forward passes:
+
+* new requests are prefilled together (left-padded, attention mask, position ids counted from
+  each row's first real token) and their KV caches are merged into the running batch between
+  decode steps (continuous batching: a request never waits for a whole wave to finish);
+* each decode step feeds the last sampled token of every running row through one forward with a
+  transformers ``DynamicCache``; rows that finish (stop token, stop string, ``max_tokens``) leave
+  the batch at once and left columns that only hold padding are trimmed;
+* the torch work runs in a worker thread (``asyncio.to_thread``), so tool calls of other episodes
+  run while the model computes.
+
+Log-probs follow the Engine contract: ``log_softmax(logits / temperature)`` over the full
+vocabulary for the sampled token (top-k/top-p truncation only decides what can be sampled). For
+greedy decoding (``temperature == 0``) the log-probs are those of the raw logits (temperature 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFEngine"]
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    stop_window: int  # tokens to decode when looking for a stop string
+    out_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def resolve(self, reason: str | None = None) -> None:
+        out = GenerationOutput(list(self.out_ids), list(self.logprobs), reason or self.finish_reason or "abort")
+
+        def _set() -> None:
+            if not self.future.done():
+                self.future.set_result(out)
+
+        _call_in_loop(self.loop, _set)
+
+    def fail(self, exc: BaseException) -> None:
+        def _set() -> None:
+            if not self.future.done():
+                self.future.set_exception(exc)
+
+        _call_in_loop(self.loop, _set)
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+        pass
+
+
+class HFEngine:
+    """Engine over a Hugging Face causal LM (CPU or GPU), continuous batching with a KV cache.
+
+    Args:
+        model_or_path: a local model folder (``AutoModelForCausalLM.from_pretrained``) or a model
+            object. A model object is deep-copied unless ``share_weights=True``.
+        tokenizer: tokenizer or folder; needed for stop strings. Defaults to the model folder.
+        device: torch device for the engine's model (ignored when sharing weights).
+        dtype: torch dtype (or its name) for a model loaded or copied here; log-probs are always
+            computed in float32 from the logits.
+        max_batch_size: most requests decoded together; the rest wait in FIFO order.
+        seed: engine-wide seed: requests without their own ``SamplingParams.seed`` draw their
+            seed from it in call order, so the same requests in the same order give the same
+            samples. Without any seed, sampling is not reproducible.
+        share_weights: use the given model object itself (no copy): the trainer's optimizer steps
+            are seen immediately, and :meth:`update_weights` only drops cached keys/values.
+        stop_at_eos: also stop (``"stop"``) at the tokenizer's / generation config's eos ids, as
+            vLLM does by default. The eos token is included in the output.
+    """
+
+    def __init__(
+        self,
+        model_or_path: Any,
+        tokenizer: Any = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        max_batch_size: int = 64,
+        seed: int | None = None,
+        share_weights: bool = False,
+        stop_at_eos: bool = True,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+        if max_batch_size < 1:
+            raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise EngineError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16', 'float16'")
+            dtype = getattr(torch, dtype)
+        if isinstance(model_or_path, (str, os.PathLike)):
+            path = Path(model_or_path).expanduser()
+            if not (path / "config.json").is_file():
+                raise EngineError(f"no model folder at {path} (expected a config.json saved by save_pretrained)")
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+            except (OSError, ValueError) as exc:
+                raise EngineError(f"could not load a causal LM from {path}: {exc}") from exc
+            model.to(device)
+            if tokenizer is None:
+                tokenizer = path
+        elif isinstance(model_or_path, torch.nn.Module):
+            if share_weights:
+                model = model_or_path
+            else:
+                model = copy.deepcopy(model_or_path)
+                model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+        else:
+            raise EngineError(f"model_or_path must be a model folder or a torch module, got {type(model_or_path).__name__}")
+        if not isinstance(model, PreTrainedModel):
+            raise EngineError("HFEngine needs a transformers PreTrainedModel (causal LM with a KV cache)")
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if not share_weights:
+            model.eval()
+            model.requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.share_weights = share_weights
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self._eos_ids: frozenset[int] = frozenset(self._collect_eos_ids() if stop_at_eos else ())
+        self._seed_rng = random.Random(seed) if seed is not None else None
+        self._lock = threading.Lock()  # one compute step or weight update at a time
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._cache = None  # DynamicCache of the running batch
+        self._mask: torch.Tensor | None = None  # [B, T] attention mask over cached positions
+        self._next: torch.Tensor | None = None  # [B] last sampled token, not yet in the cache
+        self._pos: torch.Tensor | None = None  # [B] position id of that token
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+        self.stats = {"steps": 0, "prefills": 0, "decoded_rows": 0, "max_running": 0}
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        if self._closed:
+            raise EngineError("this HFEngine is closed")
+        req = self._make_request(prompt_ids, params)
+        self._ensure_worker()
+        self._waiting.append(req)
+        assert self._wake is not None
+        self._wake.set()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.finish_reason = "abort"  # the step loop drops it at its next step
+            raise
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights into the engine's model (a no-op copy when sharing weights).
+
+        Keys/values cached for requests in flight were computed with the old weights: they are
+        dropped, and those requests are prefilled again (prompt + tokens so far) with the new ones.
+        """
+        items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+        await asyncio.to_thread(self._update_weights_sync, items)
+
+    async def close(self) -> None:
+        """Stop the worker; requests still in flight return with ``finish_reason="abort"``."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        with self._lock:
+            self._abort_all()
+
+    async def __aenter__(self) -> "HFEngine":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def _collect_eos_ids(self) -> list[int]:
+        ids: list[int] = []
+        gc = getattr(self.model, "generation_config", None)
+        for source in (getattr(gc, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if source is None:
+                continue
+            ids.extend([source] if isinstance(source, int) else list(source))
+        return ids
+
+    def _make_request(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        if not isinstance(params, SamplingParams):
+            raise EngineError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise EngineError("prompt_ids is empty: the engine needs at least one prompt token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise EngineError(f"prompt_ids contain ids outside the vocabulary [0, {self.vocab_size})")
+        if params.max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise EngineError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k == 0 or params.top_k < -1:
+            raise EngineError(f"top_k must be -1 (disabled) or >= 1, got {params.top_k}")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and len(prompt) >= limit:
+            raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
+        stops = [s for s in params.stop if s]
+        if stops and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer: pass tokenizer= to HFEngine")
+        seed = params.seed
+        if seed is None and self._seed_rng is not None:
+            seed = self._seed_rng.getrandbits(63)
+        gen = torch.Generator(device="cpu")
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        loop = asyncio.get_running_loop()
+        return _Request(
+            prompt_ids=prompt,
+            params=params,
+            future=loop.create_future(),
+            loop=loop,
+            generator=gen,
+            stop_ids=frozenset(int(t) for t in params.stop_token_ids) | self._eos_ids,
+            stop_window=(4 * max(map(len, stops)) + 2) if stops else 0,
+        )
+
+    # ------------------------------------------------------------------ background loop
+
+    def _ensure_worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
+            return
+        if self._task is not None and not self._task.done():
+            raise EngineError("this HFEngine is already serving another event loop")
+        # A previous loop ended (e.g. a new asyncio.run): whatever it left is unreachable now.
+        with self._lock:
+            self._abort_all()
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._serve(), name="HFEngine.serve")
+
+    async def _serve(self) -> None:
+        assert self._wake is not None
+        while True:
+            if not self._waiting and not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+            await asyncio.sleep(0)  # let callers scheduled in the same tick join this step
+            try:
+                await asyncio.to_thread(self._step)
+            except Exception as exc:  # noqa: BLE001 - report to every caller, keep serving
+                logger.exception("HFEngine step failed")
+                with self._lock:
+                    for req in [*self._active, *self._waiting]:
+                        req.fail(EngineError(f"generation failed: {exc!r}"))
+                    self._waiting.clear()
+                    self._reset_batch()
+
+    def _abort_all(self) -> None:
+        for req in [*self._active, *self._waiting]:
+            req.resolve("abort")
+        self._waiting.clear()
+        self._reset_batch()
+
+    def _reset_batch(self) -> None:
+        self._active = []
+        self._cache = self._mask = self._next = self._pos = None
+
+    # ------------------------------------------------------------------ compute (worker thread)
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        with self._lock:
+            was_training = self.model.training
+            if was_training:  # a shared trainer model: no dropout, and keep the KV cache on
+                self.model.eval()
+            try:
+                self._step_locked()
+            finally:
+                if was_training:
+                    self.model.train()
+
+    def _step_locked(self) -> None:
+        self.stats["steps"] += 1
+        if self._active:
+            finished = self._decode()
+            # rows whose caller went away (cancelled) leave too
+            finished += [i for i, r in enumerate(self._active) if r.future.done() and i not in finished]
+            if finished:
+                self._drop_rows(sorted(set(finished)))
+        admit: list[_Request] = []
+        while self._waiting and len(self._active) + len(admit) < self.max_batch_size:
+            req = self._waiting.popleft()
+            if req.future.done() or req.finish_reason == "abort":
+                continue  # cancelled before it started
+            admit.append(req)
+        if admit:
+            first = len(self._active)
+            self._prefill(admit)
+            finished = [first + i for i, r in enumerate(admit) if r.finish_reason is not None]
+            if finished:
+                self._drop_rows(finished)
+        self.stats["max_running"] = max(self.stats["max_running"], len(self._active))
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    def _decode(self) -> list[int]:
+        assert self._next is not None and self._mask is not None and self._pos is not None
+        b = len(self._active)
+        mask = torch.cat([self._mask, torch.ones(b, 1, dtype=self._mask.dtype, device=self.device)], dim=1)
+        logits, self._cache = self._forward(self._next[:, None], mask, self._pos[:, None], self._cache)
+        self._mask = mask
+        self._pos = self._pos + 1
+        self.stats["decoded_rows"] += b
+        return self._accept(self._active, logits, rows=range(b))
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        from transformers import DynamicCache
+
+        seqs = [r.prompt_ids + r.out_ids for r in reqs]  # out_ids is non-empty after a weight update
+        width = max(map(len, seqs))
+        pad_id = 0
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits, cache = self._forward(ids, mask, pos, cache)
+        self._zero_padding(cache, mask)
+        self.stats["prefills"] += 1
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        self._merge(reqs, cache, mask, lengths)
+        first = len(self._active) - len(reqs)
+        self._accept(reqs, logits, rows=range(first, first + len(reqs)))
+
+    def _accept(self, reqs: list[_Request], logits: torch.Tensor, rows: range) -> list[int]:
+        """Sample one token per row, record it, set it as the row's next input; return finished rows."""
+        tokens, logprobs = _sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        assert self._next is not None
+        self._next[rows.start:rows.stop] = tokens.to(self.device)
+        finished = []
+        for row, req, tok, lp in zip(rows, reqs, tokens.tolist(), logprobs.tolist()):
+            req.out_ids.append(tok)
+            req.logprobs.append(lp)
+            if req.future.done():
+                finished.append(row)
+                continue
+            if tok in req.stop_ids or self._hit_stop_string(req):
+                req.finish_reason = "stop"
+            elif len(req.out_ids) >= req.params.max_tokens:
+                req.finish_reason = "length"
+            if req.finish_reason is not None:
+                req.resolve()
+                finished.append(row)
+        return finished
+
+    def _hit_stop_string(self, req: _Request) -> bool:
+        if not req.stop_window:
+            return False
+        # A stop string that just appeared ends inside the newest token and spans at most
+        # 4 bytes per character, hence at most stop_window tokens (each token has >= 1 byte).
+        tail = self.tokenizer.decode(req.out_ids[-req.stop_window:], skip_special_tokens=False)
+        return any(s and s in tail for s in req.params.stop)
+
+    # ------------------------------------------------------------------ batch bookkeeping
+
+    @staticmethod
+    def _layers(cache) -> list:
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            raise EngineError("unsupported KV cache (needs transformers >= 4.56 DynamicCache layers)")
+        for layer in layers:
+            if type(layer).__name__ != "DynamicLayer":
+                raise EngineError(
+                    f"HFEngine batches full-attention KV caches only; this model uses {type(layer).__name__}"
+                )
+        return layers
+
+    def _zero_padding(self, cache, mask: torch.Tensor) -> None:
+        # Padded positions are masked out; zeroing them makes sure no NaN can leak through 0 * NaN.
+        pad = (mask == 0)[:, None, :, None]
+        if pad.any():
+            for layer in self._layers(cache):
+                layer.keys.masked_fill_(pad, 0.0)
+                layer.values.masked_fill_(pad, 0.0)
+
+    def _merge(self, reqs: list[_Request], cache, mask: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Append prefilled rows to the running batch, left-padding whichever side is shorter."""
+        n = len(reqs)
+        new_next = torch.zeros(n, dtype=torch.long, device=self.device)
+        if not self._active:
+            self._active = list(reqs)
+            self._cache, self._mask, self._next, self._pos = cache, mask, new_next, lengths.clone()
+            return
+        assert self._mask is not None and self._next is not None and self._pos is not None
+        t_old, t_new = self._mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+        old_layers, new_layers = self._layers(self._cache), self._layers(cache)
+        for old, new in zip(old_layers, new_layers):
+            for name in ("keys", "values"):
+                a, b = getattr(old, name), getattr(new, name)
+                a = torch.nn.functional.pad(a, (0, 0, width - t_old, 0))
+                b = torch.nn.functional.pad(b, (0, 0, width - t_new, 0))
+                setattr(old, name, torch.cat([a, b], dim=0))
+        self._mask = torch.cat(
+            [torch.nn.functional.pad(self._mask, (width - t_old, 0)), torch.nn.functional.pad(mask, (width - t_new, 0))], dim=0
+        )
+        self._next = torch.cat([self._next, new_next])
+        self._pos = torch.cat([self._pos, lengths])
+        self._active.extend(reqs)
+
+    def _drop_rows(self, rows: list[int]) -> None:
+        keep = [i for i in range(len(self._active)) if i not in set(rows)]
+        if not keep:
+            self._reset_batch()
+            return
+        assert self._mask is not None and self._next is not None and self._pos is not None
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        # Trim left columns that are padding for every remaining row.
+        live = mask.any(dim=0).nonzero()
+        start = int(live[0]) if len(live) else 0
+        for layer in self._layers(self._cache):
+            layer.keys = layer.keys.index_select(0, idx)[:, :, start:, :]
+            layer.values = layer.values.index_select(0, idx)[:, :, start:, :]
+        self._mask = mask[:, start:]
+        self._next = self._next.index_select(0, idx)
+        self._pos = self._pos.index_select(0, idx)
+        self._active = [self._active[i] for i in keep]
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def _update_weights_sync(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        with self._lock:
+            if not self.share_weights:
+                params = dict(self.model.named_parameters(remove_duplicate=False))
+                params.update(dict(self.model.named_buffers(remove_duplicate=False)))
+                unknown = [name for name, _ in items if name not in params]
+                if unknown:
+                    raise EngineError(
+                        f"update_weights got {len(unknown)} names the engine's model does not have, e.g. {unknown[:3]}"
+                    )
+                for name, tensor in items:
+                    target = params[name]
+                    if target.shape != tensor.shape:
+                        raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                    target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+            # In-flight rows: their cached keys/values are stale; prefill them again next step.
+            if self._active:
+                for req in reversed(self._active):
+                    if not req.future.done():
+                        self._waiting.appendleft(req)
+                self._reset_batch()
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]):
+    """One token per row with per-row temperature/top-k/top-p and per-row generators.
+
+    Returns ``(tokens [B], logprobs [B])``; log-probs are under ``softmax(logits / T)`` over the
+    full vocabulary (raw logits for greedy rows).
+    """
+    b, v = logits.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    greedy = temps == 0
+    logp = torch.log_softmax(logits.cpu() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    tokens = logp.argmax(dim=-1)
+    sample_rows = (~greedy).nonzero().flatten().tolist()
+    if sample_rows:
+        sub = logp[sample_rows]
+        u = torch.stack([torch.rand((), generator=generators[i], dtype=torch.float64) for i in sample_rows]).float()
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else v for i in sample_rows])
+        top_p = torch.tensor([params[i].top_p for i in sample_rows], dtype=torch.float32)
+        if bool((top_k < v).any() or (top_p < 1).any()):
+            sorted_logp, order = sub.sort(dim=-1, descending=True)
+            probs = sorted_logp.exp()
+            ranks = torch.arange(v)[None, :]
+            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+            keep = (ranks < top_k[:, None]) & ((before < top_p[:, None]) | (ranks == 0))
+            probs = torch.where(keep, probs, 0.0)
+        else:
+            order, probs = None, sub.exp()
+        cdf = probs.cumsum(dim=-1)
+        target = (u * cdf[:, -1])[:, None]
+        choice = torch.searchsorted(cdf, target, right=True).flatten()
+        # Guard against float round-off at the top end: never pick a zero-probability token.
+        last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
+        choice = torch.minimum(choice, last_kept)
+        picked = order.gather(1, choice[:, None]).flatten() if order is not None else choice
+        tokens[sample_rows] = picked
+    return tokens, logp.gather(1, tokens[:, None]).flatten()
