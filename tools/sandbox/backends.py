@@ -1,0 +1,256 @@
+"""How a sandbox worker process is launched: bubblewrap, plain process (fallback), or Docker.
+
+A backend turns the worker's JSON config into an argv. All three run the same
+``tools/sandbox/worker.py`` and speak the same framed protocol over stdin/stdout.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tools.base import ToolError
+
+log = logging.getLogger(__name__)
+
+WORKER_PATH = str(Path(__file__).with_name("worker.py"))
+SANDBOX_WORKER_PATH = "/opt/otb_sandbox/worker.py"
+SCRATCH = "/tmp/scratch"
+# capabilities the (trusted) worker keeps inside bubblewrap, to drop its children to their uid,
+# kill their leftovers and wipe their scratch; children lose all of them at setuid
+_WORKER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE", "CAP_FOWNER",
+                "CAP_CHOWN")
+
+_uid_counter = itertools.count()
+
+
+def allocate_uid(base: int = 100_000) -> int:
+    """A fresh unprivileged uid for one worker (not in /etc/passwd; it owns nothing on the host).
+
+    Each worker gets its own uid so that RLIMIT_NPROC (counted per real uid) caps each worker's
+    snippets separately. The host pid is folded in so that concurrent trainers don't share uids.
+    """
+    return base + (os.getpid() % 100_000) * 1000 + next(_uid_counter) % 1000
+
+
+@dataclass
+class Backend:
+    """Builds the command that starts one worker. ``level`` names the isolation it gives."""
+
+    name: str = "base"
+    level: str = ""
+
+    def command(self, cfg: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Backend-specific adjustments of the worker config (uid, scratch)."""
+        return cfg
+
+
+@dataclass
+class FallbackBackend(Backend):
+    """The worker as a plain child process of the trainer: no namespaces, same child hardening
+    (rlimits, seccomp, uid drop when the trainer runs as root)."""
+
+    name: str = "fallback"
+    level: str = "process (rlimits + seccomp + uid drop when root; no filesystem/network namespace)"
+    python: str = sys.executable
+    scratch_root: str | None = None
+
+    def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        cfg = dict(cfg)
+        cfg["uid"] = allocate_uid() if os.geteuid() == 0 else None
+        import tempfile
+
+        cfg["scratch"] = tempfile.mkdtemp(prefix="otb-sandbox-", dir=self.scratch_root)
+        return cfg
+
+    def command(self, cfg: dict[str, Any]) -> list[str]:
+        return [self.python, "-I", WORKER_PATH, json.dumps(cfg)]
+
+
+@dataclass
+class BwrapBackend(Backend):
+    """The worker inside bubblewrap. As root: every namespace except the user namespace (a user
+    namespace would map only root, which makes the per-uid process limit and the uid separation
+    from the worker impossible), all capabilities dropped but the six the worker needs, and the
+    children run as a real unprivileged uid. As a normal user: ``--unshare-all`` (user namespace
+    included) and no uid drop."""
+
+    name: str = "bwrap"
+    level: str = "bubblewrap (mount/pid/net/ipc/uts namespaces) + rlimits + seccomp + uid drop"
+    bwrap: str = "bwrap"
+    python: str = sys.executable
+    tmp_size_mb: int = 64
+    extra_ro_binds: list[str] = field(default_factory=list)
+
+    def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        cfg = dict(cfg)
+        cfg["uid"] = allocate_uid() if os.geteuid() == 0 else None
+        cfg["scratch"] = SCRATCH
+        return cfg
+
+    def python_paths(self) -> list[str]:
+        """What the interpreter needs: sys.prefix (the venv), sys.base_prefix, and the directory
+        of the real executable, bound read-only at the same paths."""
+        paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                 str(Path(os.path.realpath(self.python)).parent.parent)}
+        out: list[str] = []
+        for p in sorted(paths, key=len):
+            if p.startswith("/usr/") or p == "/usr":
+                continue
+            if any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+                continue
+            out.append(p)
+        return out
+
+    def command(self, cfg: dict[str, Any]) -> list[str]:
+        cmd = [self.bwrap]
+        if os.geteuid() == 0:
+            cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                    "--unshare-cgroup-try", "--cap-drop", "ALL"]
+            for cap in _WORKER_CAPS:
+                cmd += ["--cap-add", cap]
+        else:
+            cmd += ["--unshare-all"]
+        cmd += ["--die-with-parent", "--new-session", "--clearenv",
+                "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+                "--setenv", "HOME", SCRATCH, "--setenv", "LANG", "C.UTF-8",
+                "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+                "--setenv", "OPENBLAS_NUM_THREADS", "1", "--setenv", "OMP_NUM_THREADS", "1",
+                "--setenv", "MKL_NUM_THREADS", "1",
+                "--ro-bind", "/usr", "/usr"]
+        for top in ("lib", "lib64", "bin", "sbin", "lib32", "libx32"):
+            p = Path("/") / top
+            if p.is_symlink():
+                cmd += ["--symlink", os.readlink(p), str(p)]
+            elif p.is_dir():
+                cmd += ["--ro-bind", str(p), str(p)]
+        for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime"):
+            if os.path.exists(f):
+                cmd += ["--ro-bind", f, f]
+        binds = self.python_paths() + list(self.extra_ro_binds)
+        # parents of the binds (e.g. /root, mode 0700 on the host) are created traversable but
+        # not listable, so the unprivileged child can import lazily from the bound trees
+        parents: list[str] = []
+        for p in binds:
+            for parent in reversed(Path(p).parents):
+                s = str(parent)
+                if s != "/" and s not in parents and not s.startswith("/usr"):
+                    parents.append(s)
+        for d in parents:
+            cmd += ["--perms", "0711", "--dir", d]
+        for p in binds:
+            cmd += ["--ro-bind", p, p]
+        cmd += ["--ro-bind", WORKER_PATH, SANDBOX_WORKER_PATH,
+                "--proc", "/proc", "--dev", "/dev",
+                "--perms", "0755", "--size", str(int(self.tmp_size_mb) * 1024 * 1024),
+                "--tmpfs", "/tmp",
+                "--chdir", "/tmp",
+                self.python, "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]
+        return cmd
+
+
+@dataclass
+class DockerBackend(Backend):
+    """Long-lived containers running the same worker, requests over the attached stdin/stdout.
+
+    The container: no network, read-only root, memory/pids/cpu limits, all capabilities dropped,
+    no-new-privileges, a non-root user, a size-capped /tmp. The image must contain Python (and
+    numpy/sympy/pyseccomp to preload them; missing ones are skipped)."""
+
+    name: str = "docker"
+    level: str = "docker container (--network none, read-only root, cap-drop ALL, non-root)"
+    image: str = "python:3.11-slim"
+    docker: str = "docker"
+    memory_mb: int = 2048
+    pids_limit: int = 64
+    cpus: float = 1.0
+    user: str = "65534:65534"
+    tmp_size_mb: int = 64
+    container_python: str = "python"
+    extra_args: list[str] = field(default_factory=list)
+
+    def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        cfg = dict(cfg)
+        cfg["uid"] = None  # already non-root inside the container
+        cfg["scratch"] = SCRATCH
+        cfg["nproc"] = None  # per-uid across the host: the container's pids limit does this job
+        return cfg
+
+    def command(self, cfg: dict[str, Any]) -> list[str]:
+        return [self.docker, "run", "-i", "--rm", "--init=false",
+                "--network", "none", "--read-only",
+                "--tmpfs", f"/tmp:rw,nosuid,nodev,size={int(self.tmp_size_mb)}m,mode=1777",
+                "--memory", f"{int(self.memory_mb)}m", "--memory-swap", f"{int(self.memory_mb)}m",
+                "--pids-limit", str(int(self.pids_limit)), "--cpus", str(self.cpus),
+                "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                "--user", self.user,
+                "-e", "OPENBLAS_NUM_THREADS=1", "-e", "OMP_NUM_THREADS=1",
+                "-e", f"HOME={SCRATCH}", "-w", "/tmp",
+                "-v", f"{WORKER_PATH}:{SANDBOX_WORKER_PATH}:ro",
+                *self.extra_args,
+                "--entrypoint", self.container_python, self.image,
+                "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_works(bwrap: str = "bwrap") -> tuple[bool, str]:
+    """Whether bubblewrap can start a sandbox here (binary present, namespaces allowed)."""
+    exe = shutil.which(bwrap)
+    if exe is None:
+        return False, "bwrap not found (apt-get install bubblewrap)"
+    probe = BwrapBackend(bwrap=exe)
+    cmd = probe.command({})[:-4] + ["true"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"bwrap failed to start: {e}"
+    if r.returncode != 0:
+        return False, f"bwrap failed: {r.stderr.decode(errors='replace').strip()[:300]}"
+    return True, exe
+
+
+_announced: set[str] = set()
+
+
+def make_backend(backend: str | Backend, **kwargs: Any) -> Backend:
+    """``auto`` picks bwrap where it works, else the fallback (announced once in the log)."""
+    if isinstance(backend, Backend):
+        return backend
+    if backend == "auto":
+        ok, why = bwrap_works()
+        if ok:
+            return BwrapBackend(bwrap=why, **kwargs)
+        if "fallback" not in _announced:
+            _announced.add("fallback")
+            log.warning("python sandbox: bubblewrap unavailable (%s); using the fallback backend: "
+                        "%s. Snippets can read world-readable host files; sockets are blocked "
+                        "only by seccomp.",
+                        why, FallbackBackend.level)
+        return FallbackBackend()
+    if backend == "bwrap":
+        ok, why = bwrap_works()
+        if not ok:
+            raise ToolError(f"python sandbox backend 'bwrap' is unavailable: {why}. "
+                            "Install bubblewrap or use backend='fallback'.")
+        return BwrapBackend(bwrap=why, **kwargs)
+    if backend == "fallback":
+        if "fallback-explicit" not in _announced:
+            _announced.add("fallback-explicit")
+            log.warning("python sandbox: using the fallback backend (%s)", FallbackBackend.level)
+        return FallbackBackend()
+    if backend == "docker":
+        return DockerBackend(**kwargs)
+    raise ToolError(f"unknown python sandbox backend {backend!r}: "
+                    "use 'auto', 'bwrap', 'fallback' or 'docker'")

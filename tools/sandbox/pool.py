@@ -1,0 +1,323 @@
+"""Host side of the sandbox: one worker process (asyncio), and a pool of them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tools.sandbox.backends import Backend, FallbackBackend
+
+log = logging.getLogger(__name__)
+
+_HDR = struct.Struct(">I")
+# host-side grace beyond the snippet timeout before the worker itself is declared hung
+HOST_GRACE_S = 5.0
+START_TIMEOUT_S = 60.0
+
+
+class WorkerDied(Exception):
+    """The worker process died or stopped answering (the pool respawns it)."""
+
+
+@dataclass
+class RunReply:
+    status: str
+    output: str
+    cut: bool
+    note: str
+    exec_ms: float
+    state_reset: bool
+
+
+class WorkerProcess:
+    """One long-lived sandbox worker, talked to over its stdin/stdout."""
+
+    _ids = itertools.count()
+
+    def __init__(self, backend: Backend, cfg: dict[str, Any], *, recycle_after: int | None = None,
+                 debug: bool = False) -> None:
+        self.backend = backend
+        self.base_cfg = cfg
+        self.recycle_after = recycle_after
+        self.debug = debug
+        self.proc: asyncio.subprocess.Process | None = None
+        self.cfg: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+        self.calls = 0
+        self._pending_idle = False
+        self._req_ids = itertools.count()
+        self.name = f"sandbox-worker-{next(self._ids)}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self) -> None:
+        self.cfg = self.backend.worker_config(self.base_cfg)
+        cmd = self.backend.command(self.cfg)
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=None if self.debug else asyncio.subprocess.DEVNULL,
+            env=_minimal_env(), close_fds=True)
+        try:
+            ready = await asyncio.wait_for(self._read_frame(), START_TIMEOUT_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            await self.kill()
+            raise WorkerDied(f"{self.name} did not start ({type(e).__name__}); "
+                             f"command: {' '.join(cmd[:3])} …") from e
+        if ready.get("op") != "ready":
+            await self.kill()
+            raise WorkerDied(f"{self.name} sent {ready!r} instead of ready")
+        self.info = ready
+        self.calls = 0
+        self._pending_idle = False
+        log.debug("%s ready: %s", self.name, ready)
+
+    async def _read_frame(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        hdr = await self.proc.stdout.readexactly(_HDR.size)
+        (n,) = _HDR.unpack(hdr)
+        body = await self.proc.stdout.readexactly(n)
+        return json.loads(body.decode("utf-8"))
+
+    async def run(self, code: str, timeout: float, max_output: int) -> RunReply:
+        """Send one snippet; raises WorkerDied if the worker dies or hangs (it is then killed)."""
+        if not self.alive:
+            raise WorkerDied(f"{self.name} is not running")
+        await self.wait_idle(timeout + HOST_GRACE_S)
+        assert self.proc is not None and self.proc.stdin is not None
+        rid = next(self._req_ids)
+        body = json.dumps({"op": "run", "id": rid, "code": code, "timeout": timeout,
+                           "max_output": max_output}).encode("utf-8")
+        try:
+            self.proc.stdin.write(_HDR.pack(len(body)) + body)
+            await self.proc.stdin.drain()
+            reply = await asyncio.wait_for(self._read_frame(), timeout + HOST_GRACE_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
+                BrokenPipeError) as e:
+            await self.kill()
+            raise WorkerDied(f"{self.name} died or hung during a call ({type(e).__name__})") from e
+        except asyncio.CancelledError:
+            # the caller gave up mid-call: the worker's state is unknown, so replace it
+            await self.kill()
+            raise
+        if reply.get("id") != rid:
+            await self.kill()
+            raise WorkerDied(f"{self.name} answered request {reply.get('id')} instead of {rid}")
+        self.calls += 1
+        self._pending_idle = True
+        return RunReply(reply["status"], reply.get("output", ""), bool(reply.get("cut")),
+                        reply.get("note", ""), float(reply.get("exec_ms", 0.0)),
+                        bool(reply.get("state_reset")))
+
+    async def wait_idle(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait for the worker's post-call cleanup (scratch wiped, next spare forked)."""
+        if not self._pending_idle:
+            return
+        try:
+            frame = await asyncio.wait_for(self._read_frame(), timeout)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            await self.kill()
+            raise WorkerDied(f"{self.name} died after a call ({type(e).__name__})") from e
+        except asyncio.CancelledError:
+            await self.kill()
+            raise
+        if frame.get("op") != "idle":
+            await self.kill()
+            raise WorkerDied(f"{self.name} sent {frame!r} instead of idle")
+        self._pending_idle = False
+
+    @property
+    def needs_recycle(self) -> bool:
+        return self.recycle_after is not None and self.calls >= self.recycle_after
+
+    async def close(self, grace: float = 2.0) -> None:
+        """Close stdin (the worker cleans up and exits), then kill after ``grace`` seconds."""
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace)
+            except asyncio.TimeoutError:
+                pass
+        await self.kill()
+
+    async def kill(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(proc.wait(), 10.0)
+            except asyncio.TimeoutError:
+                log.error("%s (pid %s) did not exit after SIGKILL", self.name, proc.pid)
+        self._cleanup_scratch()
+
+    def kill_sync(self) -> None:
+        """Kill from outside the event loop (e.g. the loop is already closed)."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._cleanup_scratch()
+
+    def _cleanup_scratch(self) -> None:
+        if isinstance(self.backend, FallbackBackend):
+            scratch = self.cfg.get("scratch")
+            if scratch and os.path.isdir(scratch):
+                shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _minimal_env() -> dict[str, str]:
+    """The environment a worker starts with (bwrap clears it anyway; the fallback needs this)."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    return env
+
+
+class WorkerPool:
+    """``size`` interchangeable stateless workers; a call takes an idle one.
+
+    A worker that dies is respawned in the background; the call that was in flight gets an
+    error from :meth:`WorkerProcess.run`, the next caller waits for the replacement.
+    """
+
+    def __init__(self, backend: Backend, cfg: dict[str, Any], size: int, *,
+                 recycle_after: int | None = None, debug: bool = False) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.size = size
+        self.recycle_after = recycle_after
+        self.debug = debug
+        self.workers: list[WorkerProcess] = []
+        self._idle: asyncio.Queue[WorkerProcess] | None = None
+        self._respawns: set[asyncio.Task] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.respawned = 0
+        self._start_lock: asyncio.Lock | None = None
+
+    def _new_worker(self) -> WorkerProcess:
+        return WorkerProcess(self.backend, self.cfg, recycle_after=self.recycle_after,
+                             debug=self.debug)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.loop is loop and self._idle is not None:
+            return
+        if self.loop is not None and self.loop is not loop:
+            # used from a new event loop (e.g. a second asyncio.run): the old processes belong to
+            # the old loop's transports, so replace them
+            self.close_sync()
+        if self._start_lock is None or self.loop is not loop:
+            self._start_lock = asyncio.Lock()
+            self.loop = loop
+        async with self._start_lock:
+            if self._idle is not None:
+                return
+            t0 = time.perf_counter()
+            workers = [self._new_worker() for _ in range(self.size)]
+            results = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                for w in workers:
+                    await w.kill()
+                raise errors[0]
+            self.workers = workers
+            idle: asyncio.Queue[WorkerProcess] = asyncio.Queue()
+            for w in workers:
+                idle.put_nowait(w)
+            self._idle = idle
+            log.info("python sandbox: %d %s workers ready in %.2fs (%s)", self.size,
+                     self.backend.name, time.perf_counter() - t0, self.backend.level)
+
+    async def acquire(self) -> WorkerProcess:
+        await self.start()
+        assert self._idle is not None
+        return await self._idle.get()
+
+    def release(self, w: WorkerProcess) -> None:
+        """Give a worker back; a dead (or due for recycling) one is replaced in the background."""
+        assert self._idle is not None
+        loop = asyncio.get_running_loop()
+        if w.alive and not w.needs_recycle:
+            if not w._pending_idle:
+                self._idle.put_nowait(w)
+                return
+            task = loop.create_task(self._requeue_when_idle(w))
+        else:
+            task = loop.create_task(self._replace(w))
+        self._respawns.add(task)
+        task.add_done_callback(self._respawns.discard)
+
+    async def _requeue_when_idle(self, w: WorkerProcess) -> None:
+        try:
+            await w.wait_idle()
+        except WorkerDied:
+            await self._replace(w)
+            return
+        assert self._idle is not None
+        self._idle.put_nowait(w)
+
+    async def _replace(self, old: WorkerProcess) -> None:
+        await old.close(grace=1.0)
+        delay = 0.1
+        new = None
+        for attempt in range(3):
+            cand = self._new_worker()
+            try:
+                await cand.start()
+                new = cand
+                break
+            except WorkerDied as e:
+                log.error("python sandbox: respawn failed (%s); attempt %d/3", e, attempt + 1)
+                await asyncio.sleep(delay)
+                delay *= 4
+        if new is None:
+            # give the dead worker back: the next call fails fast with an error result (never
+            # hangs) and triggers another respawn attempt
+            assert self._idle is not None
+            self._idle.put_nowait(old)
+            return
+        self.respawned += 1
+        self.workers = [new if w is old else w for w in self.workers]
+        assert self._idle is not None
+        self._idle.put_nowait(new)
+
+    async def close(self) -> None:
+        for t in list(self._respawns):
+            t.cancel()
+        for t in list(self._respawns):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        await asyncio.gather(*(w.close() for w in self.workers), return_exceptions=True)
+        self.workers = []
+        self._idle = None
+        self.loop = None
+
+    def close_sync(self) -> None:
+        for w in self.workers:
+            w.kill_sync()
+        self.workers = []
+        self._idle = None

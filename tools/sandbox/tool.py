@@ -1,0 +1,297 @@
+"""The ``python`` tool: runs model-written Python in a pool of hardened sandbox workers."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import re
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from tools.base import ErrorKind, Tool, ToolError, ToolResult
+from tools.sandbox.backends import Backend, DockerBackend, make_backend
+from tools.sandbox.pool import RunReply, WorkerDied, WorkerPool, WorkerProcess
+
+log = logging.getLogger(__name__)
+
+# snippets whose output is not a function of the code alone are never served from the cache
+_NONDETERMINISTIC = re.compile(r"random|time|uuid|urandom|secrets|getpid|input\s*\(|environ|"
+                               r"listdir|scandir|glob|open\s*\(")
+
+_STATUS_TO_ERROR = {
+    "ok": None,
+    "syntax": ErrorKind.SYNTAX,
+    "runtime": ErrorKind.RUNTIME,
+    "memory": ErrorKind.MEMORY,
+    "timeout": ErrorKind.TIMEOUT,
+    "output_cut": ErrorKind.OUTPUT_CUT,
+    "sandbox": ErrorKind.SANDBOX,
+}
+
+
+@dataclass
+class SandboxStats:
+    calls: int = 0
+    cache_hits: int = 0
+    cache_lookups: int = 0
+    respawns: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hits / self.cache_lookups if self.cache_lookups else 0.0
+
+
+class PythonTool(Tool):
+    """Run Python code in a sandbox and return what it prints.
+
+    Config (keywords): ``timeout`` (s per snippet, wall clock), ``workers`` (pool size),
+    ``backend`` ("auto" | "bwrap" | "fallback" | "docker", or a Backend instance),
+    ``stateful`` (keep globals across the calls of one ``session_id``), ``memory_mb`` (address
+    space budget of a snippet on top of the preloaded interpreter), ``max_output_chars``,
+    ``cache`` / ``cache_size`` (identical stateless snippets), ``fsize_mb`` (largest file a snippet
+    may write), ``nofile``, ``nproc`` (processes per worker uid), ``tmp_size_mb`` (scratch tmpfs),
+    ``max_code_chars``, ``max_sessions``, ``preload`` (modules imported once per worker),
+    ``seccomp``, ``recycle_after`` (restart a worker after N snippets; docker default 500),
+    ``image`` (docker image), ``debug`` (worker stderr to the trainer's stderr).
+
+    Output: stdout and stderr interleaved as a terminal shows them; a traceback keeps only the
+    snippet's own frames; when the last statement is a bare expression its ``repr`` is printed
+    (REPL style) unless it is None.
+    """
+
+    name = "python"
+    description = ("Execute Python 3 code in a sandbox and return its printed output (stdout and "
+                   "stderr). The value of a final bare expression is printed too. math, numpy "
+                   "and sympy are available. No network, no persistent files.")
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+        "required": ["code"],
+    }
+
+    def __init__(self, *, timeout: float = 5.0, workers: int = 4, backend: str | Backend = "auto",
+                 stateful: bool = False, memory_mb: int = 1024, max_output_chars: int = 8192,
+                 cache: bool = True, cache_size: int = 1024, fsize_mb: int = 16, nofile: int = 64,
+                 nproc: int = 32, tmp_size_mb: int = 64, max_code_chars: int = 100_000,
+                 max_sessions: int = 64, preload: tuple[str, ...] | list[str] = (
+                     "math", "numpy", "sympy"),
+                 seccomp: bool = True, recycle_after: int | None = None,
+                 image: str | None = None, debug: bool = False) -> None:
+        def positive(name: str, v: Any, kind: type = int) -> None:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            if not ok or (kind is int and not float(v).is_integer()) or not math.isfinite(v):
+                raise ToolError(f"PythonTool: {name} must be a positive {kind.__name__}, got {v!r}")
+
+        positive("timeout", timeout, float)
+        for n, v in (("workers", workers), ("memory_mb", memory_mb),
+                     ("max_output_chars", max_output_chars), ("cache_size", cache_size),
+                     ("fsize_mb", fsize_mb), ("nofile", nofile), ("nproc", nproc),
+                     ("tmp_size_mb", tmp_size_mb), ("max_code_chars", max_code_chars),
+                     ("max_sessions", max_sessions)):
+            positive(n, v)
+        if recycle_after is not None:
+            positive("recycle_after", recycle_after)
+        if nofile < 16:
+            raise ToolError("PythonTool: nofile must be at least 16 (Python needs a few fds)")
+        self.timeout = float(timeout)
+        self.stateful = bool(stateful)
+        self.max_output_chars = int(max_output_chars)
+        self.max_code_chars = int(max_code_chars)
+        self.max_sessions = int(max_sessions)
+        self.use_cache = bool(cache)
+        self.cache_size = int(cache_size)
+        kwargs: dict[str, Any] = {}
+        if backend == "docker" and image is not None:
+            kwargs["image"] = image
+        if backend in ("auto", "bwrap"):
+            kwargs["tmp_size_mb"] = int(tmp_size_mb)
+        self.backend: Backend = make_backend(backend, **kwargs)
+        if isinstance(self.backend, DockerBackend) and recycle_after is None:
+            recycle_after = 500
+        self.recycle_after = recycle_after
+        self.worker_cfg: dict[str, Any] = {
+            "memory_mb": int(memory_mb), "fsize_mb": int(fsize_mb), "nofile": int(nofile),
+            "nproc": int(nproc), "preload": list(preload), "seccomp": bool(seccomp),
+        }
+        self.debug = debug
+        self.pool = WorkerPool(self.backend, dict(self.worker_cfg, stateful=False), int(workers),
+                               recycle_after=recycle_after, debug=debug)
+        self._sessions: dict[str, WorkerProcess] = {}
+        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._cache: collections.OrderedDict[tuple[str, float, int], ToolResult] = \
+            collections.OrderedDict()
+        self.stats = SandboxStats()
+        self.errors_by_kind: collections.Counter[str] = collections.Counter()
+        self._finalizer = weakref.finalize(self, _kill_everything, self.pool, self._sessions)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def isolation(self) -> str:
+        """A sentence naming the isolation level in use."""
+        return self.backend.level
+
+    async def start(self) -> None:
+        """Start the worker pool now (otherwise the first call does it)."""
+        await self.pool.start()
+
+    async def release(self, session_id: str) -> None:
+        w = self._sessions.pop(session_id, None)
+        self._session_locks.pop(session_id, None)
+        if w is not None:
+            await w.close(grace=1.0)
+
+    async def close(self) -> None:
+        for sid in list(self._sessions):
+            await self.release(sid)
+        await self.pool.close()
+
+    def clear_cache(self) -> None:
+        """Forget cached results (call it between training steps)."""
+        self._cache.clear()
+
+    def cache_stats(self) -> dict[str, float]:
+        return {"hits": self.stats.cache_hits, "lookups": self.stats.cache_lookups,
+                "hit_rate": self.stats.cache_hit_rate, "size": len(self._cache)}
+
+    # ------------------------------------------------------------------ calls
+    def _bad_args(self, args: Any) -> str | None:
+        if not isinstance(args, dict):
+            return f"arguments must be an object like {{\"code\": \"print(1)\"}}, got {type(args).__name__}"
+        extra = sorted(set(args) - {"code"})
+        if "code" not in args:
+            return "missing required argument 'code' (the Python source to run)"
+        if extra:
+            return f"unexpected argument(s) {extra}: the python tool takes only 'code'"
+        if not isinstance(args["code"], str):
+            return f"argument 'code' must be a string, got {type(args['code']).__name__}"
+        if len(args["code"]) > self.max_code_chars:
+            return (f"argument 'code' is {len(args['code'])} characters long; "
+                    f"the limit is {self.max_code_chars}")
+        return None
+
+    async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
+        t0 = time.perf_counter()
+        self.stats.calls += 1
+        problem = self._bad_args(args)
+        if problem is not None:
+            return self._count(ToolResult(text=f"Error: {problem}", ok=False,
+                                          error=ErrorKind.BAD_ARGUMENTS,
+                                          metrics={"latency_ms": 0.0, "cache_hit": 0.0}))
+        code: str = args["code"]
+        if self.stateful and session_id is not None:
+            result = await self._call_session(session_id, code)
+        else:
+            key = (code, self.timeout, self.max_output_chars)
+            cacheable = self.use_cache and not _NONDETERMINISTIC.search(code)
+            if cacheable:
+                self.stats.cache_lookups += 1
+                hit = self._cache.get(key)
+                if hit is not None:
+                    self._cache.move_to_end(key)
+                    self.stats.cache_hits += 1
+                    metrics = dict(hit.metrics, cache_hit=1.0,
+                                   latency_ms=(time.perf_counter() - t0) * 1000.0)
+                    return self._count(ToolResult(hit.text, hit.ok, hit.error, metrics))
+            result = await self._call_pool(code)
+            if cacheable and result.error not in (ErrorKind.TIMEOUT, ErrorKind.SANDBOX):
+                self._cache[key] = result
+                if len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        result.metrics["latency_ms"] = (time.perf_counter() - t0) * 1000.0
+        result.metrics.setdefault("cache_hit", 0.0)
+        return self._count(result)
+
+    def _count(self, r: ToolResult) -> ToolResult:
+        if r.error is not None:
+            self.errors_by_kind[r.error] += 1
+        return r
+
+    async def _call_pool(self, code: str) -> ToolResult:
+        try:
+            w = await self.pool.acquire()
+        except WorkerDied as e:
+            return _sandbox_error(str(e))
+        try:
+            reply = await w.run(code, self.timeout, self.max_output_chars)
+        except WorkerDied as e:
+            self.stats.respawns += 1
+            return _sandbox_error(str(e))
+        finally:
+            self.pool.release(w)
+        return self._to_result(reply)
+
+    async def _call_session(self, session_id: str, code: str) -> ToolResult:
+        lock = self._session_locks.setdefault(session_id, asyncio.Lock())
+        async with lock:
+            w = self._sessions.get(session_id)
+            restarted = False
+            if w is None or not w.alive or w.needs_recycle:
+                if w is not None:
+                    restarted = True
+                    await w.close(grace=0.5)
+                elif len(self._sessions) >= self.max_sessions:
+                    return _sandbox_error(f"too many open python sessions ({self.max_sessions}); "
+                                          "release finished ones")
+                w = WorkerProcess(self.backend, dict(self.worker_cfg, stateful=True),
+                                  recycle_after=self.recycle_after, debug=self.debug)
+                self._sessions[session_id] = w
+                try:
+                    await w.start()
+                except WorkerDied as e:
+                    self._sessions.pop(session_id, None)
+                    return _sandbox_error(str(e))
+            try:
+                reply = await w.run(code, self.timeout, self.max_output_chars)
+            except WorkerDied as e:
+                self.stats.respawns += 1
+                return _sandbox_error(str(e) + "; the session's Python state was lost")
+            if restarted:
+                reply.state_reset = True
+            return self._to_result(reply)
+
+    def _to_result(self, reply: RunReply) -> ToolResult:
+        text = reply.output
+        error = _STATUS_TO_ERROR.get(reply.status, ErrorKind.SANDBOX)
+        ok = reply.status == "ok"
+        if reply.status == "output_cut" or reply.cut:
+            text = text[: self.max_output_chars]
+            if not text.endswith("\n"):
+                text += "\n"
+            text += (f"[output truncated: the snippet printed more than "
+                     f"{self.max_output_chars} characters]")
+            if reply.status in ("ok", "output_cut"):
+                ok, error = True, ErrorKind.OUTPUT_CUT
+        if reply.status == "timeout":
+            text += _sep(text) + (f"TimeoutError: the snippet ran longer than {self.timeout:g} s "
+                                  "and was killed")
+        if reply.note and reply.status != "timeout":
+            text += _sep(text) + f"[{reply.note}]"
+        elif reply.note:
+            text += f" ({reply.note})"
+        if reply.state_reset and self.stateful:
+            text += _sep(text) + ("[the Python session was restarted: variables from earlier "
+                                  "calls are gone]")
+        return ToolResult(text=text, ok=ok, error=error,
+                          metrics={"exec_ms": reply.exec_ms})
+
+
+def _sep(text: str) -> str:
+    return "" if not text or text.endswith("\n") else "\n"
+
+
+def _sandbox_error(why: str) -> ToolResult:
+    return ToolResult(text=f"SandboxError: the code could not be run to completion ({why}). "
+                           "Retrying may work.", ok=False, error=ErrorKind.SANDBOX,
+                      metrics={"cache_hit": 0.0})
+
+
+def _kill_everything(pool: WorkerPool, sessions: dict[str, WorkerProcess]) -> None:
+    """Finalizer: a PythonTool dropped without close() still leaves no process behind."""
+    pool.close_sync()
+    for w in list(sessions.values()):
+        w.kill_sync()
+    sessions.clear()
