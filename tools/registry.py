@@ -340,7 +340,7 @@ class VerlToolAdapter(Tool):
         schema_dict = tool_schema if isinstance(tool_schema, dict) else _dump(tool_schema)
         function = _check_tool_schema(schema_dict, where or tool_cls.__name__)
         try:
-            inner = tool_cls(config=config, tool_schema=_verl_schema_object(schema_dict))
+            inner = tool_cls(config=config, tool_schema=_verl_schema_object(schema_dict, tool_cls))
         except Exception as exc:  # noqa: BLE001 - third-party constructor, report which one
             raise ToolError(f"{where}: constructing {tool_cls.__qualname__}(config=..., tool_schema=...) failed: "
                             f"{type(exc).__name__}: {exc}") from exc
@@ -407,13 +407,15 @@ def _dump(obj: Any) -> Any:
     raise ToolError(f"tool_schema must be a mapping, got {obj!r}")
 
 
-def _verl_schema_object(schema: dict[str, Any]) -> Any:
-    """verl's own pydantic schema object when verl is installed, else an attribute view of the dict."""
-    try:
-        from verl.tools.schemas import OpenAIFunctionToolSchema  # optional: only for verl-style tools
-    except ImportError:
-        return _AttrView(schema)
-    return OpenAIFunctionToolSchema.model_validate(schema)
+def _verl_schema_object(schema: dict[str, Any], tool_cls: type) -> Any:
+    """verl's own pydantic schema object for classes built on verl's BaseTool, else an attribute
+    view of the dict (``schema.function.name`` works either way; verl is never imported for
+    classes that do not come from it)."""
+    if any((getattr(c, "__module__", "") or "").startswith("verl.") for c in tool_cls.__mro__):
+        from verl.tools.schemas import OpenAIFunctionToolSchema
+
+        return OpenAIFunctionToolSchema.model_validate(schema)
+    return _AttrView(schema)
 
 
 class _AttrView(dict):
