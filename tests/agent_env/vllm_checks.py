@@ -1,0 +1,345 @@
+"""VLLMEngine checks, run inside the vLLM environment (``.venv-vllm``), one vLLM start for all.
+
+    .venv-vllm/bin/python tests/agent_env/vllm_checks.py MODEL_DIR OUT.json [--bench]
+
+Writes one JSON object of measured facts (never pass/fail decisions: the pytest side,
+tests/agent_env/test_vllm_engine.py, asserts on them). Every log-prob figure is a max |difference|
+against an HF transformers forward pass of the same fp32 weights with the same temperature
+(the Engine contract: log_softmax(logits / T) of each sampled token over the full vocabulary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+TEMPERATURE = 0.7
+
+
+def hf_logprobs(model: Any, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of each response token given everything before it (HF forward)."""
+    import torch
+
+    if not response_ids:
+        return []
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    p = len(prompt_ids)
+    lp = torch.log_softmax(logits[p - 1 : p - 1 + len(response_ids)] / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        return float("inf")
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def perturbed_state(model: Any, scale: float, seed: int) -> dict[str, Any]:
+    """A new set of weights: every parameter plus seeded noise (a stand-in for a training step)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in model.state_dict().items():
+        noise = torch.randn(t.shape, generator=g, dtype=t.dtype) * scale * (t.float().std().item() or 1.0)
+        out[name] = (t + noise).contiguous()
+    return out
+
+
+async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_env.engines import SamplingParams, VLLMEngine
+    from agent_env.engines.vllm import _worker_reload
+
+    res: dict[str, Any] = {"temperature": TEMPERATURE}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def chat_ids(text: str) -> list[int]:
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return list(tok(rendered, add_special_tokens=False)["input_ids"])
+
+    prompts = [chat_ids(q) for q in (
+        "What is 2+3?", "Compute 17 * 23 with the calculator.", "Ava has 12 apples and gives 5 away. How many are left?",
+        "Solve x^2 = 49.", "print(sum(range(10)))", "The capital of France is", "Write 3 words.", "Hi",
+    )]
+
+    t0 = time.perf_counter()
+    engine = VLLMEngine(model_dir, seed=0, max_model_len=2048)
+    res["startup_s"] = time.perf_counter() - t0
+    res["weight_update_mode"] = engine.weight_update_mode
+    res["on_cpu"] = engine.on_cpu
+
+    # 1. Concurrent sampling: ids, finish reasons, log-probs vs HF.
+    params = [SamplingParams(max_tokens=48, temperature=TEMPERATURE, seed=100 + i) for i in range(len(prompts))]
+    outs = await asyncio.gather(*[engine.generate(p, sp) for p, sp in zip(prompts, params)])
+    diffs = [max_diff(o.logprobs, hf_logprobs(hf, p, o.token_ids, TEMPERATURE)) for p, o in zip(prompts, outs)]
+    res["concurrent"] = {
+        "n": len(outs),
+        "lengths": [len(o.token_ids) for o in outs],
+        "n_logprobs": [len(o.logprobs) for o in outs],
+        "finish": [o.finish_reason for o in outs],
+        "max_logprob_diff": max(diffs),
+        "max_concurrent_in_engine": engine.stats.max_concurrent,
+        "steps": engine.stats.steps,
+    }
+    # temperature 1 too (a mis-scaled engine would only be caught at T != 1, this checks T = 1)
+    o1 = await engine.generate(prompts[0], SamplingParams(max_tokens=24, temperature=1.0, seed=5))
+    res["t1_max_logprob_diff"] = max_diff(o1.logprobs, hf_logprobs(hf, prompts[0], o1.token_ids, 1.0))
+    # the same tokens scored at T=1 instead of 0.7: how far a wrong temperature would be
+    res["wrong_temperature_diff"] = max_diff(outs[0].logprobs, hf_logprobs(hf, prompts[0], outs[0].token_ids, 1.0))
+
+    # 2. Seeds: same seed → same ids; different seed → different ids.
+    base_sp = SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7)
+    a = await engine.generate(prompts[1], base_sp)
+    b = await engine.generate(prompts[1], base_sp)
+    c = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=8))
+    res["seed"] = {"same_equal": a.token_ids == b.token_ids, "different_equal": a.token_ids == c.token_ids,
+                   "reference_ids": a.token_ids}
+
+    # 3. Stop token id: the k-th sampled token of the seeded run becomes a stop token.
+    ref = a.token_ids
+    k = 5
+    stop_tok = ref[k]
+    first = ref.index(stop_tok)
+    st = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop_token_ids=[stop_tok]))
+    res["stop_token"] = {"ids": st.token_ids, "expected": ref[: first + 1], "finish": st.finish_reason,
+                         "max_logprob_diff": max_diff(st.logprobs, hf_logprobs(hf, prompts[1], st.token_ids, TEMPERATURE))}
+
+    # 4. Stop string: a piece of the seeded run's text (ending inside the run) becomes a stop string.
+    text = tok.decode(ref, skip_special_tokens=False)
+    prefix_text = tok.decode(ref[:10], skip_special_tokens=False)
+    stop_str = prefix_text[-3:] if len(prefix_text.strip()) >= 3 else text[:3]
+    ss = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop=[stop_str]))
+    ss_text = tok.decode(ss.token_ids, skip_special_tokens=False)
+    res["stop_string"] = {
+        "stop": stop_str, "ids": ss.token_ids, "reference_ids": ref, "finish": ss.finish_reason,
+        "text_contains_stop": stop_str in ss_text,
+        # the run stops at the first token whose text completes the stop string
+        "stops_at_first_occurrence": stop_str not in tok.decode(ss.token_ids[:-1], skip_special_tokens=False),
+    }
+
+    # 5. Length: max_tokens reached, no stop (ignore EOS by construction: we only count).
+    ln = await engine.generate(prompts[2], SamplingParams(max_tokens=7, temperature=TEMPERATURE, seed=3, stop_token_ids=[]))
+    res["length"] = {"n": len(ln.token_ids), "finish": ln.finish_reason}
+
+    # 6. Bad input gives a clear error, loses nothing (the engine keeps working after).
+    errors = {}
+    for name, call in {
+        "empty_prompt": lambda: engine.generate([], SamplingParams(max_tokens=4)),
+        "top_p": lambda: engine.generate(prompts[0], SamplingParams(max_tokens=4, top_p=0.9)),
+        "too_long": lambda: engine.generate(list(prompts[0]) * 400, SamplingParams(max_tokens=4)),
+    }.items():
+        try:
+            await call()
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    ok_after = await engine.generate(prompts[0], SamplingParams(max_tokens=4, temperature=TEMPERATURE, seed=1))
+    res["errors"] = errors
+    res["works_after_errors"] = len(ok_after.token_ids) == 4 or ok_after.finish_reason == "stop"
+
+    # 7. Weight update (with a long shared prompt so the prefix cache really holds blocks).
+    long_prompt = chat_ids(" ".join(["Ava has 12 apples and Ben has 7 more than Ava."] * 40) + " How many?")
+    res["long_prompt_len"] = len(long_prompt)
+    sp_long = SamplingParams(max_tokens=24, temperature=TEMPERATURE, seed=11)
+    before = await engine.generate(long_prompt, sp_long)
+    res["before_update_diff"] = max_diff(before.logprobs, hf_logprobs(hf, long_prompt, before.token_ids, TEMPERATURE))
+
+    new1 = perturbed_state(hf, 0.5, seed=1)
+    t0 = time.perf_counter()
+    await engine.update_weights(new1)
+    res["update_weights_s"] = time.perf_counter() - t0
+    hf.load_state_dict(new1)
+    after = await engine.generate(long_prompt, sp_long)
+    after_hf_new = hf_logprobs(hf, long_prompt, after.token_ids, TEMPERATURE)
+    res["after_update_diff_new"] = max_diff(after.logprobs, after_hf_new)
+    hf_old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    res["after_update_diff_old"] = max_diff(after.logprobs, hf_logprobs(hf_old, long_prompt, after.token_ids, TEMPERATURE))
+    # also a short, fresh prompt and concurrency after the update
+    outs2 = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=24, temperature=TEMPERATURE, seed=40 + i)) for i, p in enumerate(prompts[:4])])
+    res["after_update_concurrent_diff"] = max(max_diff(o.logprobs, hf_logprobs(hf, p, o.token_ids, TEMPERATURE)) for p, o in zip(prompts, outs2))
+
+    # A second update through the iterable form (pairs), HF state dict with tied lm_head included.
+    new2 = perturbed_state(hf_old, 0.5, seed=2)
+    await engine.update_weights(list(new2.items()))
+    hf.load_state_dict(new2)
+    again = await engine.generate(long_prompt, sp_long)
+    res["second_update_diff"] = max_diff(again.logprobs, hf_logprobs(hf, long_prompt, again.token_ids, TEMPERATURE))
+
+    # 8. Sensitivity: the same update WITHOUT the prefix-cache reset must give stale log-probs,
+    # proving the checks above can fail. (The cache now holds new2's KV for long_prompt.)
+    new3 = perturbed_state(hf_old, 0.5, seed=3)
+    items3 = list(new3.items())
+    await engine._call(lambda: engine._llm.collective_rpc(_worker_reload, args=(items3,)))
+    hf.load_state_dict(new3)
+    stale = await engine.generate(long_prompt, sp_long)
+    res["stale_cache_diff"] = max_diff(stale.logprobs, hf_logprobs(hf, long_prompt, stale.token_ids, TEMPERATURE))
+    await engine.reset_prefix_cache()
+    fresh = await engine.generate(long_prompt, sp_long)
+    res["after_reset_diff"] = max_diff(fresh.logprobs, hf_logprobs(hf, long_prompt, fresh.token_ids, TEMPERATURE))
+
+    # 8b. Sensitivity of the tied-embedding fix: reload without re-processing the lm_head.
+    new4 = perturbed_state(hf_old, 0.5, seed=4)
+    items4 = list(new4.items())
+    await engine._call(lambda: engine._llm.collective_rpc(_worker_reload_without_lm_head_fix, args=(items4,)))
+    await engine.reset_prefix_cache()
+    hf.load_state_dict(new4)
+    no_fix = await engine.generate(long_prompt, sp_long)
+    res["no_lm_head_fix_diff"] = max_diff(no_fix.logprobs, hf_logprobs(hf, long_prompt, no_fix.token_ids, TEMPERATURE))
+    await engine.update_weights(new4)  # the real path again
+    fixed = await engine.generate(long_prompt, sp_long)
+    res["lm_head_fixed_diff"] = max_diff(fixed.logprobs, hf_logprobs(hf, long_prompt, fixed.token_ids, TEMPERATURE))
+
+    # 9. A real single-turn episode (agent_env.episode) on VLLMEngine: token-drift invariants.
+    try:
+        res["episode"] = await episode_check(engine, tok, hf, model_dir)
+    except Exception:  # noqa: BLE001 - reported, the test decides
+        res["episode"] = {"error": traceback.format_exc(limit=4)}
+
+    if bench:
+        res["bench"] = await benchmark(engine, hf, tok, prompts)
+
+    res["stats"] = {"steps": engine.stats.steps, "requests": engine.stats.requests,
+                    "generated_tokens": engine.stats.generated_tokens, "weight_updates": engine.stats.weight_updates}
+    await engine.close()
+    try:
+        await engine.generate(prompts[0], SamplingParams(max_tokens=2))
+        res["closed_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["closed_error"] = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def _worker_reload_without_lm_head_fix(worker: Any, items: list) -> None:
+    worker.model_runner.reload_weights(weights_iterator=iter(items))
+
+
+class _Recorder:
+    """Pass-through around the real engine that keeps what it returned, to compare with the trajectory."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.calls: list[tuple[list[int], Any, Any]] = []
+
+    async def generate(self, prompt_ids: list[int], params: Any) -> Any:
+        out = await self.engine.generate(prompt_ids, params)
+        self.calls.append((list(prompt_ids), params, out))
+        return out
+
+    async def update_weights(self, named_tensors: Any) -> None:
+        await self.engine.update_weights(named_tensors)
+
+    async def close(self) -> None:
+        pass
+
+
+async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[str, Any]:
+    from agent_env.episode import AgentEnv, EpisodeConfig
+
+    cfg = EpisodeConfig(tools=[], max_assistant_turns=2, max_response_tokens=96, max_tokens_per_turn=48,
+                        temperature=TEMPERATURE)
+    env = AgentEnv(tok, tools={}, config=cfg)
+    rec = _Recorder(engine)
+    trajs = await asyncio.gather(*[env.run(rec, f"What is {i} + {i + 1}?", seed=200 + i) for i in range(4)])
+    await env.close()
+    checks = []
+    for traj in trajs:
+        sampled = [t for t, m in zip(traj.response_ids, traj.response_mask) if m == 1]
+        sampled_lp = [lp for lp, m in zip(traj.rollout_logprobs, traj.response_mask) if m == 1]
+        mine = [c for c in rec.calls if c[0][: len(traj.prompt_ids)] == traj.prompt_ids]
+        engine_ids = [t for c in mine for t in c[2].token_ids]
+        hf_lp = hf_logprobs(hf, traj.prompt_ids, traj.response_ids, TEMPERATURE)
+        hf_masked = [lp for lp, m in zip(hf_lp, traj.response_mask) if m == 1]
+        checks.append({
+            "finish": traj.finish_reason,
+            "n_response": len(traj.response_ids),
+            "n_sampled": len(sampled),
+            "sampled_equal_engine_ids": sampled == engine_ids,
+            "max_logprob_diff_vs_hf": max_diff(sampled_lp, hf_masked),
+            "nonpolicy_logprobs_zero": all(lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.response_mask) if m == 0),
+        })
+    return {"episodes": checks}
+
+
+async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Tokens/s of VLLMEngine vs the reference (HFEngine if present, else HF generate) on one batch."""
+    import torch
+
+    from agent_env.engines import SamplingParams
+
+    n_tokens = 64
+    batch = [prompts[i % len(prompts)] for i in range(16)]
+
+    async def vllm_run() -> int:
+        outs = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=n_tokens, temperature=1.0, seed=i, stop_token_ids=[]))
+                                      for i, p in enumerate(batch)])
+        return sum(len(o.token_ids) for o in outs)
+
+    await vllm_run()  # warm-up
+    t0 = time.perf_counter()
+    v_tokens = await vllm_run()
+    v_s = time.perf_counter() - t0
+    result: dict[str, Any] = {"batch": len(batch), "max_tokens": n_tokens, "vllm_tokens": v_tokens, "vllm_s": v_s,
+                              "vllm_tok_per_s": v_tokens / v_s}
+    try:
+        from agent_env.engines import HFEngine
+
+        ref_name = "HFEngine"
+        hf_engine = HFEngine(hf, tok) if True else None
+
+        async def ref_run() -> int:
+            outs = await asyncio.gather(*[hf_engine.generate(p, SamplingParams(max_tokens=n_tokens, temperature=1.0, seed=i, stop_token_ids=[]))
+                                          for i, p in enumerate(batch)])
+            return sum(len(o.token_ids) for o in outs)
+    except Exception as exc:  # noqa: BLE001 - HFEngine missing or different signature: plain HF generate
+        ref_name = f"transformers generate (HFEngine unavailable: {type(exc).__name__})"
+        pad = tok.convert_tokens_to_ids("<|endoftext|>")
+
+        async def ref_run() -> int:
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.no_grad():
+                out = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+            return int((out.shape[1] - width) * out.shape[0])
+
+    await ref_run()
+    t0 = time.perf_counter()
+    r_tokens = await ref_run()
+    r_s = time.perf_counter() - t0
+    result.update({"reference": ref_name, "reference_tokens": r_tokens, "reference_s": r_s,
+                   "reference_tok_per_s": r_tokens / r_s, "vllm_over_reference": (v_tokens / v_s) / (r_tokens / r_s)})
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        raise SystemExit(__doc__)
+    model_dir, out_path = sys.argv[1], sys.argv[2]
+    bench = "--bench" in sys.argv[3:]
+    t0 = time.perf_counter()
+    try:
+        res = asyncio.run(run_checks(model_dir, bench))
+    except Exception:  # noqa: BLE001 - the test shows the traceback
+        res = {"fatal": traceback.format_exc()}
+    res["total_s"] = time.perf_counter() - t0
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
