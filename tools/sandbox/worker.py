@@ -274,6 +274,7 @@ class Worker:
         os.close(devnull)
         self.libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self._make_scratch()
+        os.environ["HOME"] = os.environ["TMPDIR"] = self.scratch
 
     # ---- scratch
     def _make_scratch(self) -> None:

@@ -1,0 +1,352 @@
+"""The ``python`` tool: behaviour through the public API, with real sandbox processes.
+
+The security probes are in test_sandbox_security.py, the docker backend in test_sandbox_docker.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sympy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tools.base import ErrorKind, Tool, ToolError, ToolResult
+from tools.sandbox import PythonTool, bwrap_works
+
+HAVE_BWRAP = bwrap_works()[0]
+LIGHT = ("math",)  # workers without numpy/sympy start faster; for tests that don't need them
+needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason=f"bubblewrap unusable: {bwrap_works()[1]}")
+
+
+# ----------------------------------------------------------------------------- helpers (shared)
+def proc_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (ppid, real uid, state) for every process on the host."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+            status = Path(f"/proc/{name}/status").read_text()
+        except OSError:
+            continue
+        rest = stat[stat.rindex(")") + 2:].split()
+        uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
+        table[int(name)] = (int(rest[1]), uid, rest[0])
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, int, str]] | None = None) -> set[int]:
+    table = proc_table() if table is None else table
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            if k not in out:
+                out.add(k)
+                todo.append(k)
+    return out
+
+
+def tool_processes(tool: PythonTool) -> set[int]:
+    """Every host process that belongs to the tool: workers, their sandboxes and children."""
+    table = proc_table()
+    out = set()
+    roots = [w.proc.pid for w in tool.pool.workers if w.proc is not None]
+    roots += [w.proc.pid for w in tool._sessions.values() if w.proc is not None]
+    for r in roots:
+        if r in table:
+            out.add(r)
+        out |= descendants(r, table)
+    return out
+
+
+def tool_uids(tool: PythonTool) -> set[int]:
+    return {w.cfg["uid"] for w in [*tool.pool.workers, *tool._sessions.values()]
+            if w.cfg.get("uid") is not None}
+
+
+def processes_with_uids(uids: set[int]) -> set[int]:
+    return {pid for pid, (_, uid, _) in proc_table().items() if uid in uids}
+
+
+async def settle(tool: PythonTool) -> None:
+    """Wait until every worker finished its post-call cleanup (spare forked, scratch wiped)."""
+    for _ in range(200):
+        if tool.pool._idle is not None and tool.pool._idle.qsize() == len(tool.pool.workers) \
+                and not tool.pool._respawns:
+            return
+        await asyncio.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def tool(loop: asyncio.AbstractEventLoop) -> Iterator[PythonTool]:
+    if not HAVE_BWRAP:
+        pytest.skip(f"bubblewrap unusable: {bwrap_works()[1]}")
+    t = PythonTool(backend="bwrap", workers=2, timeout=3.0, max_output_chars=2000)
+    loop.run_until_complete(t.start())
+    yield t
+    loop.run_until_complete(t.close())
+
+
+def call(loop: asyncio.AbstractEventLoop, tool: Tool, code: str, **kw) -> ToolResult:
+    return loop.run_until_complete(tool.call({"code": code}, **kw))
+
+
+# ----------------------------------------------------------------------------- basics
+def test_tool_contract() -> None:
+    t = PythonTool(backend="fallback", workers=1)
+    assert isinstance(t, Tool) and t.name == "python"
+    fn = t.schema()["function"]
+    assert fn["name"] == "python"
+    assert fn["parameters"]["required"] == ["code"]
+    assert fn["parameters"]["properties"]["code"]["type"] == "string"
+
+
+def test_prints_and_repl_value(loop, tool) -> None:
+    r = call(loop, tool, "print(sum(range(1000)))")
+    assert (r.ok, r.error, r.text) == (True, None, "499500\n")
+    assert r.metrics["latency_ms"] > 0 and "exec_ms" in r.metrics
+    r = call(loop, tool, "x = 6\nx * 7")
+    assert r.text == "42\n"
+    r = call(loop, tool, "print('a')\nNone")
+    assert r.text == "a\n"
+    r = call(loop, tool, "")
+    assert (r.ok, r.text) == (True, "")
+    r = call(loop, tool, "import sys\nprint('out')\nprint('err', file=sys.stderr)\nprint('out2')")
+    assert r.text == "out\nerr\nout2\n"
+
+
+def test_numpy_and_sympy_match_host(loop, tool) -> None:
+    code = ("import sympy as sp, numpy as np\nx = sp.Symbol('x')\n"
+            "print(sp.factor(x**6 - 1))\nprint(sp.integrate(sp.sin(x)**2, (x, 0, sp.pi)))\n"
+            "print(int(np.linalg.matrix_rank(np.arange(9).reshape(3, 3))))")
+    r = call(loop, tool, code)
+    x = sympy.Symbol("x")
+    expected = (f"{sympy.factor(x**6 - 1)}\n{sympy.integrate(sympy.sin(x)**2, (x, 0, sympy.pi))}\n2\n")
+    assert r.ok and r.text == expected
+
+
+def test_errors_by_kind_and_trimmed_traceback(loop, tool) -> None:
+    r = call(loop, tool, "x = (1,")
+    assert (r.ok, r.error) == (False, ErrorKind.SYNTAX)
+    assert "SyntaxError" in r.text
+    r = call(loop, tool, "def f(n):\n    return 1 / n\nprint('before')\nf(0)")
+    assert (r.ok, r.error) == (False, ErrorKind.RUNTIME)
+    assert r.text.startswith("before\n")
+    assert r.text.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert 'File "<snippet>", line 4' in r.text and 'line 2, in f' in r.text
+    assert "worker.py" not in r.text and "Traceback" in r.text
+    # exceptions raised inside libraries keep only the snippet's frames
+    r = call(loop, tool, "import sympy\nsympy.sympify('1 +* 2')")
+    assert r.error == ErrorKind.RUNTIME and "site-packages" not in r.text
+    r = call(loop, tool, "import sys\nprint('bye')\nsys.exit(0)")
+    assert (r.ok, r.text) == (True, "bye\n")
+    r = call(loop, tool, "import sys\nsys.exit(3)")
+    assert (r.ok, r.error) == (False, ErrorKind.RUNTIME) and "SystemExit: 3" in r.text
+    r = call(loop, tool, "raise MemoryError")
+    assert r.error == ErrorKind.MEMORY
+    r = call(loop, tool, "import os\nprint('x', flush=True)\nos._exit(5)")
+    assert r.error == ErrorKind.RUNTIME and "exited with code 5" in r.text and r.text.startswith("x\n")
+    r = call(loop, tool, "print('nul\\x00byte')\n\x00")
+    assert r.error == ErrorKind.SYNTAX
+
+
+def test_output_cut_has_marker(loop, tool) -> None:
+    r = call(loop, tool, "for i in range(5000):\n    print(i)")
+    assert r.ok and r.error == ErrorKind.OUTPUT_CUT
+    body, marker = r.text.rsplit("\n", 1)
+    assert "output truncated" in marker and "2000" in marker
+    assert len(body) <= 2000 and body.startswith("0\n1\n2\n")
+
+
+def test_timeout_kills_and_worker_survives(loop, tool) -> None:
+    r = call(loop, tool, "print('started', flush=True)\nwhile True:\n    pass")
+    assert (r.ok, r.error) == (False, ErrorKind.TIMEOUT)
+    assert r.text.startswith("started\n") and "TimeoutError" in r.text
+    assert 3000 <= r.metrics["latency_ms"] < 3000 + 4000
+    assert call(loop, tool, "print(2 + 2)").text == "4\n"
+
+
+def test_stateless_calls_share_nothing(loop) -> None:
+    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "fallback", workers=1, cache=False)
+    try:
+        assert call(loop, t, "open('f.txt', 'w').write('hi')\nimport os\nos.listdir('.')").text \
+            == "['f.txt']\n"
+        assert call(loop, t, "import os\nos.listdir('.')").text == "[]\n"  # scratch wiped
+        call(loop, t, "secret_global = 1\nimport builtins\nbuiltins.print = None")
+        r = call(loop, t, "print('fine')\nsecret_global")
+        assert r.text.startswith("fine\n") and "NameError" in r.text
+        a = call(loop, t, "import random\nrandom.random()").text
+        b = call(loop, t, "import random\nrandom.random()").text
+        c = call(loop, t, "import numpy as np\nnp.random.rand()").text
+        d = call(loop, t, "import numpy as np\nnp.random.rand()").text
+        assert a != b and c != d  # each child is reseeded, not a copy of the worker's RNG
+    finally:
+        loop.run_until_complete(t.close())
+
+
+def test_stateful_sessions(loop) -> None:
+    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "fallback", workers=1, stateful=True,
+                   timeout=2.0, preload=LIGHT)
+    try:
+        assert call(loop, t, "x = 20\nimport math", session_id="a").ok
+        assert call(loop, t, "x = 1", session_id="b").ok
+        assert call(loop, t, "x + math.floor(2.5)", session_id="a").text == "22\n"
+        assert call(loop, t, "x", session_id="b").text == "1\n"
+        r = call(loop, t, "x", session_id=None)  # stateless pool
+        assert r.error == ErrorKind.RUNTIME and "NameError" in r.text
+        # an error keeps the session; a timeout restarts it and says so
+        assert call(loop, t, "1/0", session_id="a").error == ErrorKind.RUNTIME
+        assert call(loop, t, "x", session_id="a").text == "20\n"
+        r = call(loop, t, "while True: pass", session_id="a")
+        assert r.error == ErrorKind.TIMEOUT and "session was restarted" in r.text
+        r = call(loop, t, "print('again')\nx", session_id="a")
+        assert r.text.startswith("again\n") and "NameError" in r.text
+        loop.run_until_complete(t.release("b"))
+        assert "b" not in t._sessions
+        r = call(loop, t, "x", session_id="b")
+        assert "NameError" in r.text
+    finally:
+        loop.run_until_complete(t.close())
+    assert not t._sessions
+
+
+def test_cache_hits_and_metric(loop) -> None:
+    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "fallback", workers=1, preload=LIGHT)
+    try:
+        r1 = call(loop, t, "print(3 ** 40)")
+        r2 = call(loop, t, "print(3 ** 40)")
+        assert r1.text == r2.text == f"{3 ** 40}\n"
+        assert (r1.metrics["cache_hit"], r2.metrics["cache_hit"]) == (0.0, 1.0)
+        assert t.cache_stats()["hit_rate"] == pytest.approx(0.5)
+        # snippets whose output depends on more than the code are never cached
+        call(loop, t, "import random\nrandom.random()")
+        r = call(loop, t, "import random\nrandom.random()")
+        assert r.metrics["cache_hit"] == 0.0
+        # timeouts are not cached
+        t.clear_cache()
+        assert t.cache_stats()["size"] == 0
+    finally:
+        loop.run_until_complete(t.close())
+    t2 = PythonTool(backend="fallback", workers=1, cache=False, preload=LIGHT)
+    try:
+        call(loop, t2, "print(1)")
+        assert call(loop, t2, "print(1)").metrics["cache_hit"] == 0.0
+        assert t2.cache_stats()["lookups"] == 0
+    finally:
+        loop.run_until_complete(t2.close())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (None, "arguments must be an object"),
+    (["print(1)"], "arguments must be an object"),
+    ({}, "missing required argument 'code'"),
+    ({"cmd": "ls"}, "missing required argument 'code'"),
+    ({"code": 5}, "must be a string"),
+    ({"code": None}, "must be a string"),
+    ({"code": "print(1)", "timeout": 100}, "unexpected argument"),
+    ({"code": "x" * 100_001}, "the limit is 100000"),
+])
+def test_malformed_arguments_are_results_not_exceptions(loop, args, needle) -> None:
+    t = PythonTool(backend="fallback", workers=1)
+    r = loop.run_until_complete(t.call(args))
+    assert (r.ok, r.error) == (False, ErrorKind.BAD_ARGUMENTS)
+    assert needle in r.text
+    assert t.pool.workers == []  # rejected before any worker was started
+    assert t.errors_by_kind[ErrorKind.BAD_ARGUMENTS] == 1
+
+
+@pytest.mark.parametrize("kw", [dict(timeout=0), dict(timeout=float("nan")), dict(workers=0),
+                                dict(workers=1.5), dict(memory_mb=-1), dict(nofile=4),
+                                dict(backend="kvm"), dict(max_output_chars=True)])
+def test_bad_config_raises_tool_error(kw) -> None:
+    with pytest.raises(ToolError):
+        PythonTool(**kw)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200))
+def test_output_roundtrips_any_text(loop, tool, s: str) -> None:
+    r = call(loop, tool, f"import sys\n_ = sys.stdout.write({s!r})")
+    assert r.ok and r.text == s
+
+
+def test_fallback_backend_isolation_and_announcement(loop, caplog) -> None:
+    import tools.sandbox.backends as b
+
+    b._announced.discard("fallback-explicit")
+    with caplog.at_level(logging.WARNING, logger="tools.sandbox.backends"):
+        t = PythonTool(backend="fallback", workers=1, timeout=2.0, preload=LIGHT)
+        PythonTool(backend="fallback", workers=1)
+    assert sum("fallback backend" in m for m in caplog.messages) == 1  # announced once
+    try:
+        r = call(loop, t, "import os\nprint(os.getuid() != 0, os.getcwd() == os.environ['HOME'])")
+        if os.geteuid() == 0:
+            assert r.text == "True True\n"  # the child dropped root
+        r = call(loop, t, "import socket\nsocket.socket()")
+        assert r.error == ErrorKind.RUNTIME and "PermissionError" in r.text  # seccomp
+        assert call(loop, t, "while True: pass").error == ErrorKind.TIMEOUT
+        assert call(loop, t, "bytearray(8 << 30)").error == ErrorKind.MEMORY
+        assert call(loop, t, "print(6 * 7)").text == "42\n"
+        scratch = t.pool.workers[0].cfg["scratch"]
+        assert os.path.isdir(scratch)
+    finally:
+        loop.run_until_complete(t.close())
+    assert not os.path.exists(scratch)
+
+
+def test_usable_from_successive_event_loops() -> None:
+    t = PythonTool(backend="fallback", workers=1, preload=LIGHT)
+    try:
+        assert asyncio.run(t.call({"code": "1 + 1"})).text == "2\n"
+        assert asyncio.run(t.call({"code": "2 + 2"})).text == "4\n"
+    finally:
+        asyncio.run(t.close())
+
+
+def test_dropped_tool_leaves_no_process() -> None:
+    async def use() -> set[int]:
+        t = PythonTool(backend="fallback", workers=1, preload=LIGHT)
+        await t.call({"code": "print(1)"})
+        return tool_processes(t)
+
+    pids = asyncio.run(use())
+    assert pids
+    import gc
+
+    gc.collect()
+    for _ in range(100):
+        if not pids & set(proc_table()):
+            break
+        import time
+
+        time.sleep(0.05)
+    assert not pids & set(proc_table())
+
+
+def test_docs_and_import_rule() -> None:
+    import subprocess
+
+    code = ("import sys, tools.sandbox\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('agent_env', 'otb_tir', 'torch', 'docker')]\n"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
