@@ -70,6 +70,12 @@ class FallbackBackend(Backend):
     def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = dict(cfg)
         cfg["uid"] = allocate_uid() if os.geteuid() == 0 else None
+        if cfg["uid"] is not None and not _world_readable_python():
+            # without a mount namespace the unprivileged child cannot read an interpreter that
+            # lives in a private directory (e.g. /root/.pyenv): import the usual modules before
+            # the uid drop; other lazy imports fail in this mode (documented)
+            cfg["preload"] = list(cfg.get("preload", [])) + [
+                m for m in FALLBACK_STDLIB if m not in cfg.get("preload", [])]
         import tempfile
 
         cfg["scratch"] = tempfile.mkdtemp(prefix="otb-sandbox-", dir=self.scratch_root)
@@ -77,6 +83,31 @@ class FallbackBackend(Backend):
 
     def command(self, cfg: dict[str, Any]) -> list[str]:
         return [self.python, "-I", WORKER_PATH, json.dumps(cfg)]
+
+
+FALLBACK_STDLIB = (
+    "math", "cmath", "fractions", "decimal", "numbers", "statistics", "random", "itertools",
+    "functools", "operator", "collections", "collections.abc", "heapq", "bisect", "array", "copy",
+    "re", "string", "textwrap", "unicodedata", "json", "csv", "io", "struct", "base64",
+    "hashlib", "zlib", "datetime", "time", "calendar", "typing", "dataclasses", "enum", "pprint",
+    "socket", "subprocess", "threading", "queue", "pickle", "traceback", "warnings", "ctypes",
+    "xml.etree.ElementTree", "urllib.parse", "pathlib", "tempfile", "shutil", "glob", "timeit",
+)
+
+
+def _world_readable_python() -> bool:
+    """Whether every directory above the interpreter's library is traversable by others."""
+    import stat
+
+    for p in {sys.base_prefix, sys.prefix}:
+        path = Path(p)
+        for d in [path, *path.parents]:
+            try:
+                if not d.stat().st_mode & stat.S_IXOTH:
+                    return False
+            except OSError:
+                return False
+    return True
 
 
 @dataclass
