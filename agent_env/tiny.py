@@ -30,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: Bump when the corpus, the template or the build code changes: cached folders are keyed on it.
+#: Bump when the build code changes in a way the cache key (settings, template, corpus) misses.
 BUILD_VERSION = 1
 
 PAD_TOKEN = "<|endoftext|>"
@@ -164,7 +164,10 @@ def _corpus_lines(seed: int, n_samples: int) -> list[str]:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def build_tiny_tokenizer(vocab_size: int = 3072, seed: int = 0, corpus_samples: int = 20000):
+TOKENIZER_CORPUS_SAMPLES = 20000
+
+
+def build_tiny_tokenizer(vocab_size: int = 3072, seed: int = 0, corpus_samples: int = TOKENIZER_CORPUS_SAMPLES):
     """Train the tiny byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``.
 
     Deterministic: the same arguments give the same vocabulary, merges and ids. Every byte
@@ -307,6 +310,8 @@ def tiny_policy_dir(
         "seed": seed,
         "model": asdict(settings),
         "template_sha": hashlib.sha256(chat_template().encode()).hexdigest(),
+        "corpus_sha": hashlib.sha256("\n".join(_corpus_lines(tokenizer_seed, TOKENIZER_CORPUS_SAMPLES)).encode()).hexdigest(),
+        "tokens": [_SPLIT_PATTERN, SPECIAL_TOKENS, MARKUP_TOKENS],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
