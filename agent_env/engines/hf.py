@@ -454,7 +454,8 @@ class HFEngine:
         self._active.extend(reqs)
 
     def _drop_rows(self, rows: list[int]) -> None:
-        keep = [i for i in range(len(self._active)) if i not in set(rows)]
+        gone = set(rows)
+        keep = [i for i in range(len(self._active)) if i not in gone]
         if not keep:
             self._reset_batch()
             return
