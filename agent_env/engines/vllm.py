@@ -136,6 +136,50 @@ def _named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, 
     return out
 
 
+def _checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Names and shapes of the tensors in the folder's safetensors files (headers only), or None."""
+    from pathlib import Path
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def check_update_names(items: list[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]] | None,
+                       tied: bool) -> None:
+    """Refuse an update whose names or shapes do not match the checkpoint, before touching vLLM.
+
+    A failed in-place reload could leave the engine half-updated, so a bad update is rejected
+    up front. ``lm_head.weight`` is accepted for tied embeddings (HF state dicts carry it; vLLM
+    skips it).
+    """
+    if shapes is None:
+        return
+    unknown, mismatched = [], []
+    for name, t in items:
+        if name not in shapes:
+            if not (tied and name == "lm_head.weight"):
+                unknown.append(name)
+        elif tuple(t.shape) != shapes[name]:
+            mismatched.append(f"{name}: got {tuple(t.shape)}, checkpoint has {shapes[name]}")
+    if unknown or mismatched:
+        parts = []
+        if unknown:
+            parts.append(f"unknown names {unknown[:8]}{' …' if len(unknown) > 8 else ''}")
+        if mismatched:
+            parts.append(f"wrong shapes {mismatched[:8]}")
+        raise EngineError("update_weights refused (" + "; ".join(parts) + "): names and shapes must match the "
+                          "HF checkpoint the engine was started from; the engine keeps its current weights")
+
+
 # Worker-side functions (run through ``collective_rpc``; module level so they can be pickled).
 
 def _worker_reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> int:
@@ -267,6 +311,9 @@ class VLLMEngine:
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {str(model_path)!r}: {exc}") from exc
         self._engine = self._llm.llm_engine
+        self._shapes = _checkpoint_shapes(model_path)
+        hf_config = getattr(self._engine.model_config, "hf_config", None)
+        self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self.stats = _Stats()
         self._ids = itertools.count()
@@ -384,10 +431,14 @@ class VLLMEngine:
     ) -> None:
         """Load new weights (names as in the HF checkpoint) and reset the prefix cache."""
         items = _named_list(named_tensors)
+        check_update_names(items, self._shapes, self._tied)
         worker_fn = _worker_reload if self.weight_update_mode == "reload" else _worker_load_weights
 
         def _apply() -> None:
-            self._llm.collective_rpc(worker_fn, args=(items,))
+            try:
+                self._llm.collective_rpc(worker_fn, args=(items,))
+            except Exception as exc:
+                raise EngineError(f"vLLM weight update ({self.weight_update_mode}) failed: {exc}") from exc
             if not self._engine.reset_prefix_cache():
                 raise EngineError("vLLM could not reset its prefix cache after the weight update")
             self.stats.weight_updates += 1

@@ -110,6 +110,12 @@ def test_update_weights_gives_the_new_policy_logprobs(vllm_results: dict) -> Non
     assert r["after_update_concurrent_diff"] < LOGPROB_TOL
     assert r["second_update_diff"] < LOGPROB_TOL  # iterable-of-pairs form, tied lm_head key included
     assert r["stats"]["weight_updates"] >= 3
+    # bad updates: a clear error before anything is touched, the current weights stay in use
+    for name, err in r["bad_updates"].items():
+        assert err is not None and err.startswith("EngineError"), (name, err)
+    assert "unknown names" in r["bad_updates"]["unknown_name"]
+    assert "wrong shapes" in r["bad_updates"]["wrong_shape"]
+    assert r["after_bad_update_diff"] < LOGPROB_TOL
 
 
 @pytest.mark.slow
@@ -182,6 +188,22 @@ def test_bad_model_path_and_options_are_clear_errors(tmp_path: Path) -> None:
         VLLMEngine(tmp_path, weight_update="bogus")
     with pytest.raises(EngineError, match="logprobs_mode"):
         VLLMEngine(tmp_path, logprobs_mode="raw_logprobs")
+
+
+def test_update_name_check_against_checkpoint_shapes() -> None:
+    import torch
+
+    from agent_env.engines import EngineError
+    from agent_env.engines.vllm import check_update_names
+
+    shapes = {"model.embed_tokens.weight": (10, 4), "model.norm.weight": (4,)}
+    check_update_names([("model.norm.weight", torch.zeros(4))], shapes, tied=False)  # a subset is fine
+    check_update_names([("lm_head.weight", torch.zeros(10, 4))], shapes, tied=True)
+    check_update_names([("anything", torch.zeros(1))], None, tied=False)  # no safetensors: not checked
+    with pytest.raises(EngineError, match="unknown names"):
+        check_update_names([("lm_head.weight", torch.zeros(10, 4))], shapes, tied=False)
+    with pytest.raises(EngineError, match="wrong shapes"):
+        check_update_names([("model.norm.weight", torch.zeros(5))], shapes, tied=False)
 
 
 def test_sampling_translation_is_pure_and_checked() -> None:

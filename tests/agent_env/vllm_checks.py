@@ -183,6 +183,23 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     again = await engine.generate(long_prompt, sp_long)
     res["second_update_diff"] = max_diff(again.logprobs, hf_logprobs(hf, long_prompt, again.token_ids, TEMPERATURE))
 
+    # 7b. A bad update is refused up front and the engine keeps the current (new2) weights.
+    bad_updates = {}
+    for name, bad in {
+        "unknown_name": {"model.no_such.weight": torch.zeros(3)},
+        "wrong_shape": {"model.embed_tokens.weight": torch.zeros(3, 3)},
+        "not_tensors": [("model.embed_tokens.weight", 3)],
+        "empty": {},
+    }.items():
+        try:
+            await engine.update_weights(bad)
+            bad_updates[name] = None
+        except Exception as exc:  # noqa: BLE001
+            bad_updates[name] = f"{type(exc).__name__}: {exc}"
+    res["bad_updates"] = bad_updates
+    kept = await engine.generate(long_prompt, sp_long)
+    res["after_bad_update_diff"] = max_diff(kept.logprobs, hf_logprobs(hf, long_prompt, kept.token_ids, TEMPERATURE))
+
     # 8. Sensitivity: the same update WITHOUT the prefix-cache reset must give stale log-probs,
     # proving the checks above can fail. (The cache now holds new2's KV for long_prompt.)
     new3 = perturbed_state(hf_old, 0.5, seed=3)
