@@ -203,7 +203,8 @@ class _Interpreter:
         relation = self.relations.get(type(node.ops[0]))
         if relation is None:
             raise CalcError(ErrorKind.BLOCKED, f"the comparison {type(node.ops[0]).__name__} is not allowed")
-        return relation(self.run(node.left), self.run(node.comparators[0]))
+        # unevaluated, so `x = x + 1` is still an equation (with no solution) rather than False
+        return relation(self.run(node.left), self.run(node.comparators[0]), evaluate=False)
 
     def _List(self, node: ast.List) -> Any:
         return [self.run(e) for e in node.elts]
@@ -240,6 +241,9 @@ class _Interpreter:
 
         if name == "Rational":
             return sp.Rational(*[self.run(a) for a in args])
+        if name in ("Integer", "Float") and len(args) == 1 and isinstance(args[0], ast.Call):
+            inner = self.run(args[0])  # repeated decimals: Integer(Integer(0))
+            return sp.Integer(inner) if name == "Integer" else sp.Float(inner)
         if len(args) != 1 or not isinstance(args[0], ast.Constant) or isinstance(args[0].value, bool) \
                 or not isinstance(args[0].value, (int, str, float)):
             raise CalcError(ErrorKind.BLOCKED, f"{name}(...) takes a single literal")
@@ -438,10 +442,14 @@ def _format_top(value: Any) -> str:
 
     if isinstance(value, _Solutions):
         return _format_solutions(list(value))
-    if isinstance(value, sp.Equality) or (isinstance(value, sp.Rel) and value.free_symbols):
-        if not value.free_symbols:
-            return _format(value)
-        return _format_solutions(_solve(value))
+    if isinstance(value, sp.Rel):
+        evaluated = value.func(*value.args)  # evaluate=True
+        names = ", ".join(sorted(map(str, value.free_symbols)))
+        if evaluated is sp.true:
+            return f"True (for every value of {names})" if names else "True"
+        if evaluated is sp.false:
+            return "no solution" if names else "False"
+        return _format_solutions(_solve(evaluated))
     return _format(value)
 
 
@@ -497,7 +505,8 @@ class _Child:
 def _worker_main(max_parallel: int = 2) -> None:
     """Serve JSON-line requests on stdin: fork one child per request (at most ``max_parallel``
     at a time, the rest wait in a queue), reply on stdout."""
-    _set_death_signal()
+    # No PR_SET_PDEATHSIG here: it fires when the *thread* that spawned us exits (e.g. an
+    # asyncio.to_thread worker), not the process. The parent's death closes our stdin instead.
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for warm in ("1/3 + sqrt(8)", "solve(x**2 - 4 = 0, x)", "factorial(5)"):

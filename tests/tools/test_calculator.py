@@ -1,0 +1,298 @@
+"""The sympy calculator: canonical answers checked against independent oracles (fractions,
+math, brute force), pathological input stopped by the worker's time/memory limits, injection
+attempts refused, and the worker process surviving faults."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import math
+import os
+import signal
+import time
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from tools import ErrorKind, ToolError, get_tool
+from tools.calculator import CalculatorTool, _CLIENT, calculate, shutdown_worker
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def calc() -> CalculatorTool:
+    tool = get_tool("calculator", timeout=3)
+    run(tool.start())
+    return tool
+
+
+def ask(tool, expression: str):
+    return run(tool.invoke({"expression": expression}))
+
+
+# ------------------------------------------------------------------------ canonical answers
+
+CASES = [
+    ("3/4", "3/4"), ("1/2 + 1/4", "3/4"), ("10/4", "5/2"), ("3 * (2 + 5) / 7", "3"), ("2^10", "1024"),
+    ("2**-2", "1/4"), ("-7 // 2", "-4"), ("17 % 5", "2"), ("mod(17, 5)", "2"), ("Mod(-7, 3)", "2"),
+    ("sqrt(16)", "4"), ("sqrt(8)", "2*sqrt(2) ≈ 2.82842712"), ("sqrt(2)", "sqrt(2) ≈ 1.41421356"),
+    ("sqrt(2)*sqrt(8)", "4"), ("cbrt(27)", "3"), ("root(32, 5)", "2"), ("8**(1/3)", "2"),
+    ("5!", "120"), ("factorial(20)", "2432902008176640000"), ("binomial(10, 3)", "120"), ("comb(52, 5)", "2598960"),
+    ("gcd(12, 18)", "6"), ("gcd(12, 18, 8)", "2"), ("lcm(4, 6, 10)", "60"), ("abs(-3/2)", "3/2"),
+    ("floor(7/2)", "3"), ("ceiling(7/2)", "4"), ("max(3, 7/2, 2)", "7/2"), ("round(2.567, 2)", "2.57"),
+    ("round(7/2)", "4"), ("0.1 + 0.2", "0.3"), ("2.5 * 2", "5"), ("1.5e-7 * 2", "3e-7"), ("1e10", "10000000000"),
+    ("pi", "pi ≈ 3.14159265"), ("e^2", "exp(2) ≈ 7.3890561"), ("log(8, 2)", "3"), ("log10(1000)", "3"),
+    ("sin(pi/6)", "1/2"), ("cos(pi/4)", "sqrt(2)/2 ≈ 0.707106781"), ("2x + 3x", "5*x"),
+    ("(1+2*I)*(3-I)", "5 + 5*I"), ("sqrt(-4)", "2*I"), ("1/(1+I)", "1/2 - I/2"),
+    ("1/0", "zoo (complex infinity, e.g. a division by zero)"), ("0/0", "nan (undefined)"),
+    ("x^2 + 2x + 1", "x**2 + 2*x + 1"), ("expand((x+1)**3)", "x**3 + 3*x**2 + 3*x + 1"),
+    ("factor(x**2 - 1)", "(x - 1)*(x + 1)"), ("simplify(sin(x)**2 + cos(x)**2)", "1"),
+    ("diff(x**3, x)", "3*x**2"), ("integrate(x**2, (x, 0, 1))", "1/3"), ("limit(sin(x)/x, x, 0)", "1"),
+    ("2x + 3 = 7", "x = 2"), ("x**2 - 4 = 0", "x = -2, x = 2"), ("solve(2*x+3=7, x)", "x = 2"),
+    ("solve(x**2 - 4, x)", "x = -2, x = 2"), ("solve(x**2 + 1, x)", "x = -I, x = I"),
+    ("x**2 = 2", "x = -sqrt(2) ≈ -1.41421356, x = sqrt(2) ≈ 1.41421356"),
+    ("solve([x + y = 10, x - y = 2], [x, y])", "x = 6, y = 4"), ("x + y = 3", "x = 3 - y"),
+    ("x = x + 1", "no solution"), ("x = x", "True (for every value of x)"), ("2 + 2 = 4", "True"), ("2 + 2 = 5", "False"),
+    ("isprime(97)", "True"), ("divisors(12)", "[1, 2, 3, 4, 6, 12]"), ("factorint(360)", "{2: 3, 3: 2, 5: 1}"),
+    ("2**10000", f"≈ 1.99506312e3010 (an integer with {len(str(2**10000))} digits)"),
+    ("0.[3]", "1/3"), ("x(x+1)", "x*(x + 1)"),
+]
+
+
+@pytest.mark.parametrize("expression, expected", CASES)
+def test_canonical_answers(expression, expected):
+    assert calculate(expression) == (True, None, expected)
+
+
+def test_evaluation_never_uses_eval_or_exec(monkeypatch):
+    """After warm-up (first use imports sympy modules, and imports use exec), evaluating any
+    expression must not reach Python's eval/exec."""
+    for expression, _ in CASES:
+        calculate(expression)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("eval/exec was called")
+
+    monkeypatch.setattr(builtins, "eval", forbidden)
+    monkeypatch.setattr(builtins, "exec", forbidden)
+    for expression, expected in CASES:
+        assert calculate(expression) == (True, None, expected), expression
+
+
+def test_through_the_tool(calc):
+    for expression, expected in CASES[:12] + [("x**2 - 4 = 0", "x = -2, x = 2")]:
+        result = ask(calc, expression)
+        assert (result.ok, result.error, result.text) == (True, None, expected)
+        assert result.metrics["latency_ms"] > 0
+
+
+# ------------------------------------------------------------------------ oracles
+
+@st.composite
+def rational_expressions(draw, depth=0):
+    """(expression text, exact Fraction value or None when it divides by zero)."""
+    if depth >= 3 or draw(st.booleans()):
+        if draw(st.booleans()):
+            n = draw(st.integers(-10**12, 10**12))
+            return (f"({n})" if n < 0 else str(n)), Fraction(n)
+        p, q = draw(st.integers(-1000, 1000)), draw(st.integers(1, 1000))
+        return f"({p}/{q})", Fraction(p, q)
+    op = draw(st.sampled_from(["+", "-", "*", "/", "^"]))
+    left_text, left = draw(rational_expressions(depth=depth + 1))
+    if op == "^":
+        k = draw(st.integers(-3, 4))
+        if left is None or (left == 0 and k < 0):
+            return f"({left_text})^({k})", None
+        return f"({left_text})^({k})", left ** k
+    right_text, right = draw(rational_expressions(depth=depth + 1))
+    text = f"({left_text} {op} {right_text})"
+    if left is None or right is None:
+        return text, None
+    if op == "/":
+        return text, (None if right == 0 else left / right)
+    return text, {"+": left + right, "-": left - right, "*": left * right}[op]
+
+
+def fraction_text(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rational_expressions())
+def test_rational_arithmetic_matches_fractions(case):
+    text, value = case
+    assume(value is not None and len(str(value.numerator)) < 900)
+    assert calculate(text) == (True, None, fraction_text(value))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(case=rational_expressions())
+def test_rational_arithmetic_through_the_worker(calc, case):
+    text, value = case
+    assume(value is not None and len(str(value.numerator)) < 900)
+    result = ask(calc, text)
+    assert (result.ok, result.text) == (True, fraction_text(value))
+
+
+@settings(max_examples=150, deadline=None)
+@given(a=st.integers(0, 10**6), b=st.integers(1, 10**6), n=st.integers(0, 60), k=st.integers(0, 60))
+def test_number_theory_matches_math(a, b, n, k):
+    assert calculate(f"gcd({a}, {b})")[2] == str(math.gcd(a, b))
+    assert calculate(f"lcm({a}, {b})")[2] == str(math.lcm(a, b))
+    assert calculate(f"{a} mod {b}".replace(" mod ", " % "))[2] == str(a % b)
+    assert calculate(f"factorial({n})")[2] == str(math.factorial(n))
+    assert calculate(f"binomial({n}, {k})")[2] == str(math.comb(n, k))
+
+
+@settings(max_examples=60, deadline=None)
+@given(r1=st.integers(-50, 50), r2=st.integers(-50, 50), a=st.integers(1, 9), b=st.integers(-99, 99),
+       c=st.integers(-99, 99))
+def test_solve_matches_brute_force(r1, r2, a, b, c):
+    expanded = f"x**2 - ({r1 + r2})*x + ({r1 * r2}) = 0"
+    roots = sorted({r1, r2})
+    assert calculate(expanded)[2] == ", ".join(f"x = {r}" for r in roots)
+    assert [r for r in range(-50, 51) if r * r - (r1 + r2) * r + r1 * r2 == 0] == roots
+    assert calculate(f"solve({a}*x + ({b}) = {c}, x)")[2] == f"x = {fraction_text(Fraction(c - b, a))}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 10**6))
+def test_irrational_roots_come_with_an_approximation(n):
+    assume(math.isqrt(n) ** 2 != n)
+    ok, error, text = calculate(f"sqrt({n})")
+    exact, _, approx = text.partition(" ≈ ")
+    assert ok and error is None and "sqrt(" in exact
+    assert math.isclose(float(approx), math.sqrt(n), rel_tol=5e-9)
+
+
+# ------------------------------------------------------------------------ limits and faults
+
+@pytest.mark.parametrize("expression", ["9**9**9**9", "factorial(10**10)"])
+def test_pathological_input_times_out_and_the_tool_recovers(expression):
+    tool = CalculatorTool(timeout=1)
+    result = ask(tool, expression)
+    assert (result.ok, result.error) == (False, ErrorKind.TIMEOUT)
+    assert "took longer than 1 s" in result.text
+    assert ask(tool, "1 + 1").text == "2"
+
+
+def test_memory_limit():
+    result = ask(CalculatorTool(timeout=20, memory_mb=256), "N(1/3, 10**10)")  # a 4 GB mantissa
+    assert (result.ok, result.error) == (False, ErrorKind.MEMORY), result
+
+
+def test_result_size_cap():
+    result = ask(CalculatorTool(max_result_chars=200), "expand((x+1)**60)")
+    assert result.ok and result.error == ErrorKind.OUTPUT_CUT
+    assert "[result cut:" in result.text and len(result.text) < 260
+    assert ask(CalculatorTool(max_expression_chars=10), "1+1+1+1+1+1+1").error == ErrorKind.BAD_ARGUMENTS
+
+
+INJECTIONS = [
+    "__import__('os').system('touch /tmp/h3_pwned')",
+    "().__class__.__bases__[0].__subclasses__()",
+    "lambda: __import__('os')",
+    "lambda x: x",
+    "x.__class__",
+    "Symbol('x').func",
+    "(1).real",
+    "sqrt.__globals__",
+    "open('/etc/passwd')",
+    "exec('1')",
+    "eval('1')",
+    "getattr(x, 'func')",
+    "[c for c in (1, 2)]",
+    "x[0]",
+    "{1: 2}",
+    "f'{1}'",
+    "x if 1 else 2",
+    "(y := 3)",
+    "Integer('1'*10)",
+    "Symbol('__class__')",
+    "Function('f')(x)",
+    "solve(x, dict=True)",
+    "globals()",
+    "__builtins__",
+    "x; import os",
+    "1 and 2",
+    "~x",
+]
+
+
+@pytest.mark.parametrize("expression", INJECTIONS)
+def test_injection_attempts_are_refused(expression):
+    ok, error, text = calculate(expression)
+    assert not ok and error in (ErrorKind.BLOCKED, ErrorKind.SYNTAX), (expression, error, text)
+    assert text.startswith("Error:")
+    assert not os.path.exists("/tmp/h3_pwned")
+
+
+def test_injections_through_the_tool(calc):
+    for expression in INJECTIONS[:6]:
+        result = ask(calc, expression)
+        assert not result.ok and result.error in (ErrorKind.BLOCKED, ErrorKind.SYNTAX), (expression, result)
+    assert not os.path.exists("/tmp/h3_pwned")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789xyzabc_.,+-*/^%()[]{}=<>!~ '\"\\:;@#&|?", max_size=40))
+def test_fuzzed_text_never_raises(expression):
+    ok, error, text = calculate(expression)
+    assert isinstance(text, str) and text
+    assert error is None or error in ErrorKind.ALL
+    assert ok or text.startswith("Error:")
+
+
+def test_bad_arguments_and_config(calc):
+    assert ask(calc, "").error == ErrorKind.BAD_ARGUMENTS
+    wrong_key = run(calc.invoke({"expr": "1+1"}))
+    assert wrong_key.error == ErrorKind.BAD_ARGUMENTS and "missing required argument 'expression'" in wrong_key.text
+    assert run(calc.invoke({"expression": 5})).error == ErrorKind.BAD_ARGUMENTS
+    with pytest.raises(ToolError, match="valid keys: timeout, max_result_chars, max_expression_chars, memory_mb"):
+        get_tool("calculator", precision=3)
+    assert calc.schema()["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_concurrent_calls(calc):
+    async def many():
+        return await asyncio.gather(*[calc.invoke({"expression": f"{i}/7 + {i}/3"}) for i in range(48)])
+
+    results = run(many())
+    assert [r.text for r in results] == [fraction_text(Fraction(i, 7) + Fraction(i, 3)) for i in range(48)]
+
+
+def test_worker_killed_mid_call_gives_an_error_then_restarts(calc):
+    async def scenario():
+        slow = asyncio.ensure_future(CalculatorTool(timeout=30).invoke({"expression": "factorial(10**10)"}))
+        for _ in range(200):  # wait until the worker has the request
+            await asyncio.sleep(0.02)
+            if _CLIENT._pending:
+                break
+        os.kill(_CLIENT.pid, signal.SIGKILL)
+        return await asyncio.wait_for(slow, 20)
+
+    restarts = _CLIENT.restarts
+    result = run(scenario())
+    assert (result.ok, result.error) == (False, ErrorKind.SANDBOX)
+    assert "worker stopped" in result.text
+    assert ask(calc, "6*7").text == "42"
+    assert _CLIENT.restarts == restarts + 1
+
+
+def test_shutdown_leaves_no_worker():
+    tool = CalculatorTool()
+    assert ask(tool, "1+2").text == "3"
+    pid = _CLIENT.pid
+    shutdown_worker()
+    assert _CLIENT.pid is None
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.01)
+    assert ask(tool, "2+2").text == "4"  # restarts on demand
