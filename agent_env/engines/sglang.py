@@ -111,7 +111,7 @@ def _as_named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[st
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
-            raise EngineError(f"update_weights expects (name, tensor) pairs, got {type(item).__name__}")
+            raise EngineError(f"update_weights expects (name: str, tensor: torch.Tensor) pairs, got {item!r:.120}")
     return [(name, t.detach()) for name, t in items]
 
 

@@ -129,7 +129,7 @@ def _named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, 
     out = []
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
-            raise EngineError(f"update_weights expects (name, tensor) pairs, got {type(item).__name__}")
+            raise EngineError(f"update_weights expects (name: str, tensor: torch.Tensor) pairs, got {item!r:.120}")
         out.append((item[0], item[1].detach()))
     if not out:
         raise EngineError("update_weights got no tensors")

@@ -224,7 +224,7 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     fixed = await engine.generate(long_prompt, sp_long)
     res["lm_head_fixed_diff"] = max_diff(fixed.logprobs, hf_logprobs(hf, long_prompt, fixed.token_ids, TEMPERATURE))
 
-    # 9. A real single-turn episode (agent_env.episode) on VLLMEngine: token-drift invariants.
+    # 9. Real multi-turn episodes (agent_env.rollout, real tools) on VLLMEngine: token-drift invariants.
     try:
         res["episode"] = await episode_check(engine, tok, hf, model_dir)
     except Exception:  # noqa: BLE001 - reported, the test decides
@@ -248,16 +248,29 @@ def _worker_reload_without_lm_head_fix(worker: Any, items: list) -> None:
     worker.model_runner.reload_weights(weights_iterator=iter(items))
 
 
-class _Recorder:
-    """Pass-through around the real engine that keeps what it returned, to compare with the trajectory."""
+class _FirstTurnScripted:
+    """Pass-through around the real engine; the first turn of some episodes is a scripted tool call
+    (the random tiny model almost never writes one), so the episodes really go multi-turn with real
+    tools. Every other turn is sampled by VLLMEngine and recorded, so the check knows exactly which
+    positions vLLM sampled."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, tok: Any, first_turns: dict[str, str]) -> None:
         self.engine = engine
-        self.calls: list[tuple[list[int], Any, Any]] = []
+        self.tok = tok
+        self.first_turns = first_turns
+        self.real: dict[tuple[int, ...], list[Any]] = {}
 
     async def generate(self, prompt_ids: list[int], params: Any) -> Any:
+        from agent_env.engines import GenerationOutput
+
+        text = self.tok.decode(prompt_ids)
+        if text.count("<|im_start|>assistant") == 1:
+            for key, turn in self.first_turns.items():
+                if key in text:
+                    ids = self.tok.encode(turn, add_special_tokens=False) + [self.tok.convert_tokens_to_ids("<|im_end|>")]
+                    return GenerationOutput(ids, [0.0] * len(ids), "stop")
         out = await self.engine.generate(prompt_ids, params)
-        self.calls.append((list(prompt_ids), params, out))
+        self.real.setdefault(tuple(prompt_ids), []).append(out)
         return out
 
     async def update_weights(self, named_tensors: Any) -> None:
@@ -267,32 +280,81 @@ class _Recorder:
         pass
 
 
-async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[str, Any]:
-    from agent_env.episode import AgentEnv, EpisodeConfig
+def _tc(name: str, **args: Any) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
-    cfg = EpisodeConfig(tools=[], max_assistant_turns=2, max_response_tokens=96, max_tokens_per_turn=48,
-                        temperature=TEMPERATURE)
-    env = AgentEnv(tok, tools={}, config=cfg)
-    rec = _Recorder(engine)
-    trajs = await asyncio.gather(*[env.run(rec, f"What is {i} + {i + 1}?", seed=200 + i) for i in range(4)])
-    await env.close()
-    checks = []
-    for traj in trajs:
-        sampled = [t for t, m in zip(traj.response_ids, traj.response_mask) if m == 1]
-        sampled_lp = [lp for lp, m in zip(traj.rollout_logprobs, traj.response_mask) if m == 1]
-        mine = [c for c in rec.calls if c[0][: len(traj.prompt_ids)] == traj.prompt_ids]
-        engine_ids = [t for c in mine for t in c[2].token_ids]
-        hf_lp = hf_logprobs(hf, traj.prompt_ids, traj.response_ids, TEMPERATURE)
-        hf_masked = [lp for lp, m in zip(hf_lp, traj.response_mask) if m == 1]
-        checks.append({
-            "finish": traj.finish_reason,
-            "n_response": len(traj.response_ids),
-            "n_sampled": len(sampled),
-            "sampled_equal_engine_ids": sampled == engine_ids,
-            "max_logprob_diff_vs_hf": max_diff(sampled_lp, hf_masked),
-            "nonpolicy_logprobs_zero": all(lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.response_mask) if m == 0),
-        })
-    return {"episodes": checks}
+
+async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[str, Any]:
+    """Multi-turn episodes with real tools on VLLMEngine, collated; the token-drift invariants."""
+    import torch
+
+    import tools
+    from agent_env import AgentEnv, EpisodeConfig
+    from agent_env.rollout import rollout_async
+
+    questions = [f"Question {i}: what is {3 * i + 2} plus {7 * i + 5}?" for i in range(4)]
+    first = {questions[0]: _tc("calculator", expression="17*3"),
+             questions[1]: _tc("python", code="print(sum(range(10)))"),
+             questions[2]: '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'}
+    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=40, max_response_tokens=240,
+                        temperature=TEMPERATURE, max_tool_response_tokens=32)
+    real_tools = {"python": tools.get_tool("python"), "calculator": tools.get_tool("calculator")}
+    env = AgentEnv(tok, real_tools, cfg)
+    eng = _FirstTurnScripted(engine, tok, first)
+    try:
+        batch = await rollout_async(eng, env, [{"prompt": q, "ground_truth": "1"} for q in questions], n=2,
+                                    seed=0, progress=False)
+    finally:
+        for t in real_tools.values():
+            await t.close()
+    trajs = batch.trajectories
+    res: dict[str, Any] = {"n": len(trajs), "multi_turn": sum(t.num_turns >= 2 for t in trajs),
+                           "tool_calls": sum(t.num_tool_calls for t in trajs), "finish": [t.finish_reason for t in trajs]}
+    real_turns = ids_equal = mask0_ok = mask0_spans = 0
+    stream_ok = 0
+    for t in trajs:
+        for turn in t.turns:
+            context = tuple(t.prompt_ids + t.response_ids[:turn.start])
+            sampled = t.response_ids[turn.start:turn.end]
+            if context in eng.real:
+                real_turns += 1
+                got = (sampled, t.rollout_logprobs[turn.start:turn.end])
+                ids_equal += int(got in [(o.token_ids, o.logprobs) for o in eng.real[context]]
+                                 and t.response_mask[turn.start:turn.end] == [1] * len(sampled))
+            if turn.obs_end > turn.obs_start:
+                mask0_spans += 1
+                before = tok.decode(t.prompt_ids + t.response_ids[:turn.obs_start])
+                k = [i for i, m in enumerate(t.messages) if m["role"] == "assistant"][turn.index] + 1
+                while k < len(t.messages) and t.messages[k]["role"] == "tool":
+                    k += 1
+                rendered = tok.apply_chat_template(t.messages[:k], tools=env._tool_schemas, add_generation_prompt=True,
+                                                   tokenize=False)
+                mask0_ok += int(rendered.startswith(before)
+                                and tok.decode(t.response_ids[turn.obs_start:turn.obs_end]) == rendered[len(before):]
+                                and set(t.response_mask[turn.obs_start:turn.obs_end]) == {0})
+        final = tok.apply_chat_template(t.messages, tools=env._tool_schemas, tokenize=False)
+        stream = tok.decode(t.prompt_ids + t.response_ids)
+        stream_ok += int(final.startswith(stream) and final[len(stream):] in ("\n", "<|im_end|>\n"))
+    res.update({"real_turns": real_turns, "real_turns_exact": ids_equal, "mask0_spans": mask0_spans,
+                "mask0_spans_exact": mask0_ok, "stream_equals_template": stream_ok})
+    # log-probs recomputed over the collated batch (left-padded prompts, masks, position ids)
+    with torch.no_grad():
+        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"]).logits.float()
+    P = batch["prompts"].shape[1]
+    lp = torch.log_softmax(logits[:, P - 1:-1] / TEMPERATURE, dim=-1)
+    recomputed = lp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = batch["response_mask"].bool()
+    real_pos = torch.zeros_like(mask)
+    for i, t in enumerate(trajs):
+        for turn in t.turns:
+            if tuple(t.prompt_ids + t.response_ids[:turn.start]) in eng.real:
+                real_pos[i, turn.start:turn.end] = True
+    sel = mask & real_pos
+    res["real_positions"] = int(sel.sum())
+    res["max_logprob_diff_vs_hf_batch"] = float((recomputed[sel] - batch["rollout_log_probs"][sel]).abs().max()) if sel.any() else None
+    res["nonpolicy_logprobs_zero"] = bool(torch.all(batch["rollout_log_probs"][~mask] == 0))
+    return res
 
 
 async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) -> dict[str, Any]:
