@@ -299,6 +299,11 @@ def test_builtin_python_is_lazy():
     if importlib.util.find_spec("tools.sandbox") is None:
         with pytest.raises(ToolError, match="tools.sandbox"):
             get_tool("python")
+        return
+    python = get_tool("python", timeout=5, stateful=False)  # builds the tool; workers start on first call
+    assert python.name == "python" and python.schema()["function"]["parameters"]["required"] == ["code"]
+    with pytest.raises(ToolError, match=r"unknown config key\(s\) \['bogus'\]; valid keys: timeout"):
+        get_tool("python", bogus=1)
 
 
 def test_import_tools_is_light():
