@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -112,7 +113,9 @@ class Tool(abc.ABC):
             logger.debug("tool %r raised during call", self.name, exc_info=True)
             result = ToolResult(text=f"Error: tool '{self.name}' failed: {type(exc).__name__}: {exc}",
                                 ok=False, error=kind)
-        result.metrics["latency_ms"] = (time.perf_counter() - start) * 1000.0
+        # a copy: a tool may hand out a cached/shared result object
+        result = dataclasses.replace(result, metrics={**result.metrics,
+                                                      "latency_ms": (time.perf_counter() - start) * 1000.0})
         return result
 
     async def _invoke_checked(self, args: Any, session_id: str | None, timeout: float | None) -> ToolResult:
