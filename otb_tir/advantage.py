@@ -1,0 +1,478 @@
+"""Advantage estimators: Optimal Token Baseline (dense and multi-turn TIR), GRPO, RLOO.
+
+All estimators share verl 0.9.1's calling convention and keyword set, so a trainer can call any
+of them by name (:func:`get_estimator`)::
+
+    advantages, returns = estimator(
+        token_level_rewards,   # [B, R] float
+        response_mask,         # [B, R] 0/1 (bool, int or float): 1 = token sampled by the policy
+        index,                 # [B] group ids (uid), numpy object array of str/int, list, or tensor
+        old_log_probs=None,    # [B, R] log π_old(y_t)          (OTB only)
+        sum_pi_squared=None,   # [B, R] Σ_v π_old(v)²           (OTB only)
+        rollout_is_weights=None,  # [B, R] truncated IS weights ρ (OTB only)
+        handle_zero_tail=True, epsilon=..., norm_adv_by_std_in_grpo=True,  # each uses what it needs
+    )
+
+Optimal Token Baseline, per group ``g`` of one prompt's samples and per position ``t``::
+
+    w_t = (1 − 2·exp(old_log_prob_t) + Σπ²_t) · ρ_t²        (ρ = 1 without IS weights)
+    W_t = Σ_{j ≤ t, mask_j = 1} w_j                         (cumulative path-variance proxy)
+    G_t = Σ_{j ≥ t} reward_j · mask_j                        (reward-to-go, returned as ``returns``)
+    B*_t = Σ_{i ∈ g} G_t·W_t·mask_t / (Σ_{i ∈ g} W_t·mask_t + ε)
+    A_t = (G_t − B*_t) · mask_t
+
+``optimal_token_baseline`` indexes ``t`` by absolute column; ``tir_optimal_token_baseline`` by the
+k-th *policy* token of each row (tool tokens do not shift a row against the others in its group).
+Groups of one sample get baseline 0 (advantage = return); rows without policy tokens stay zero
+(and, in the TIR variant, do not count as group members). With ``handle_zero_tail`` the part of
+a group's unique longest row beyond the second-longest length gets baseline 0.
+
+Every estimator is vectorized over rows and groups: uids are mapped to dense group ids with
+``np.unique(..., return_inverse=True)``, group sums use ``index_add_``, the TIR compaction uses
+:class:`otb_tir.layout.PolicyLayout`. The results equal verl 0.9.1's estimators (tests use verl as
+the oracle).
+
+Precision: half-precision inputs (bf16/fp16) are computed in float32 (float64 inputs in float64)
+and the results cast back to the dtype verl would return (that of ``token_level_rewards`` promoted
+with ``response_mask``). verl computes in the input dtype, so on bf16 inputs it sums thousands of
+values with an 8-bit mantissa; ours equals verl run on the same inputs upcast to float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from otb_tir import ConfigError
+from otb_tir.layout import mask_in_unit_interval, policy_counts_into
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AdvantageEstimator",
+    "get_estimator",
+    "grpo",
+    "list_estimators",
+    "optimal_token_baseline",
+    "place_reward_on_last_policy_token",
+    "register_estimator",
+    "rloo",
+    "tir_optimal_token_baseline",
+]
+
+
+class AdvantageEstimator(Protocol):
+    def __call__(
+        self,
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: Any,
+        old_log_probs: torch.Tensor | None = None,
+        sum_pi_squared: torch.Tensor | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        handle_zero_tail: bool = True,
+        epsilon: float = ...,
+        norm_adv_by_std_in_grpo: bool = True,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_REGISTRY: dict[str, AdvantageEstimator] = {}
+
+
+def register_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: make an estimator available to :func:`get_estimator` under ``name``."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"estimator name must be a non-empty string, got {name!r}")
+
+    def decorate(fn: AdvantageEstimator) -> AdvantageEstimator:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ConfigError(f"an advantage estimator named {name!r} is already registered ({_REGISTRY[name]!r})")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorate
+
+
+def list_estimators() -> list[str]:
+    """Names accepted by :func:`get_estimator`, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered under ``name`` (``algorithm.adv_estimator`` in configs)."""
+    key = getattr(name, "value", name)  # accept verl's AdvantageEstimator enum members too
+    try:
+        return _REGISTRY[key]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"unknown advantage estimator {name!r}; valid names: {', '.join(list_estimators())}"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# input handling
+
+
+def _group_ids(index: Any, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Map uids (any hashable, mutually comparable values) to dense ids 0..G-1, without a row loop."""
+    if isinstance(index, torch.Tensor):
+        arr = index.detach().cpu().numpy()
+    else:
+        arr = np.asarray(index, dtype=object if isinstance(index, (list, tuple)) else None)
+    if arr.ndim != 1 or arr.shape[0] != batch:
+        raise ConfigError(f"index (uid) must be 1-D with one entry per row ({batch}), got shape {arr.shape}")
+    if batch == 0:
+        return torch.zeros(0, dtype=torch.long, device=device), 0
+    try:
+        _, inverse = np.unique(arr, return_inverse=True)
+    except TypeError as exc:
+        raise ConfigError(
+            f"index (uid) values must be mutually comparable (all str or all int), got {exc}"
+        ) from None
+    inverse = np.asarray(inverse).reshape(-1)
+    n_groups = int(inverse.max()) + 1
+    return torch.from_numpy(inverse.astype(np.int64)).to(device), n_groups
+
+
+def _check_2d(name: str, t: torch.Tensor | None, shape: torch.Size, required: bool) -> None:
+    if t is None:
+        if required:
+            raise ConfigError(
+                f"{name} is required by the Optimal Token Baseline estimators "
+                "(compute it with otb_tir.token_stats; in verl set actor.calculate_sum_pi_squared=True)"
+            )
+        return
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != shape:
+        raise ConfigError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like token_level_rewards")
+
+
+def _prepare(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    tensors: dict[str, torch.Tensor | None],
+    required: bool,
+) -> tuple[torch.Tensor, torch.dtype, torch.dtype]:
+    """Validate shapes and the mask; return (0/1 mask in the compute dtype, compute dtype, output dtype)."""
+    if not isinstance(token_level_rewards, torch.Tensor) or token_level_rewards.dim() != 2:
+        raise ConfigError(
+            "token_level_rewards must be a 2-D [batch, response_length] tensor, got "
+            f"{type(token_level_rewards).__name__} of shape {tuple(getattr(token_level_rewards, 'shape', ()))}"
+        )
+    shape = token_level_rewards.shape
+    _check_2d("response_mask", response_mask, shape, True)
+    for name, t in tensors.items():
+        _check_2d(name, t, shape, required and name != "rollout_is_weights")
+    if not mask_in_unit_interval(response_mask):
+        raise ConfigError("response_mask must hold 0/1 values (1 = token sampled by the policy); got values outside [0, 1] or NaN")
+    out_dtype = torch.promote_types(token_level_rewards.dtype, response_mask.dtype)
+    if not out_dtype.is_floating_point:
+        out_dtype = torch.get_default_dtype()
+    floats = [out_dtype] + [t.dtype for t in tensors.values() if t is not None and t.dtype.is_floating_point]
+    compute_dtype = torch.float64 if torch.float64 in floats else torch.float32
+    return response_mask.to(compute_dtype), compute_dtype, out_dtype
+
+
+def _returns_and_weights(
+    token_level_rewards: torch.Tensor,
+    maskf: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(G, W·mask, scratch): reward-to-go, masked cumulative path-variance proxy, a free [B, R] buffer.
+
+    Written with in-place ops and ``out=`` buffers: at [1024, 8192] every fresh 32 MB tensor
+    costs a round of page faults comparable to the arithmetic itself.
+    """
+    scratch = torch.empty_like(maskf)
+    resp = maskf.shape[1]
+    # W_t = Σ_{j≤t} (1 − 2·π_j + Σπ²_j)·ρ_j²·mask_j, then masked (same op order as verl).
+    weights = torch.exp(old_log_probs.to(dtype))
+    weights.mul_(-2).add_(1).add_(sum_pi_squared.to(dtype))
+    if rollout_is_weights is not None:
+        rho = rollout_is_weights.to(dtype)
+        weights.mul_(torch.mul(rho, rho, out=scratch))
+    weights.mul_(maskf).cumsum_(-1).mul_(maskf)
+    # G_t = Σ_{j≥t} r_j·mask_j = S − Σ_{j<t} r_j·mask_j with S the row total (the last prefix sum):
+    # one forward cumulative sum, no reversed copies. Exact whenever the partial sums are (e.g. one
+    # outcome reward per row); otherwise within a few float ulps of |S| of verl's reversed sum.
+    returns = torch.mul(token_level_rewards.to(dtype), maskf)
+    torch.cumsum(returns, -1, out=scratch)
+    if resp:
+        returns.sub_(scratch).add_(scratch[:, -1:])
+    return returns, weights, scratch
+
+
+def _zero_tail_start(lengths: torch.Tensor, group: torch.Tensor, n_groups: int, members: torch.Tensor) -> torch.Tensor:
+    """Per row: first position whose baseline ``handle_zero_tail`` zeroes, or -1 for none.
+
+    A row qualifies when it is the unique longest of a group with ≥ 2 members; its tail starts at
+    the group's second-longest length. One scatter-max for the longest, one for the runner-up.
+    """
+    lengths = lengths.to(torch.long)
+    longest = torch.full((n_groups,), -1, dtype=torch.long, device=lengths.device)
+    longest.scatter_reduce_(0, group, lengths, reduce="amax")
+    is_longest = lengths == longest[group]
+    n_longest = torch.zeros(n_groups, dtype=torch.long, device=lengths.device).index_add_(0, group, is_longest.long())
+    runner_up = torch.full((n_groups,), -1, dtype=torch.long, device=lengths.device)
+    runner_up.scatter_reduce_(0, group, torch.where(is_longest, -1, lengths), reduce="amax")
+    unique_tail = is_longest & (n_longest[group] == 1) & (members[group] >= 2)
+    return torch.where(unique_tail, runner_up[group].clamp_min(0), -1)
+
+
+def _finish(returns: torch.Tensor, baselines: torch.Tensor, maskf: torch.Tensor, out_dtype: torch.dtype):
+    """A = (G − B)·mask, written into the baselines buffer; results cast to the output dtype."""
+    advantages = torch.sub(returns, baselines, out=baselines).mul_(maskf)
+    return advantages.to(out_dtype), returns.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# estimators
+
+
+@register_estimator("optimal_token_baseline")
+@torch.no_grad()
+def optimal_token_baseline(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline over absolute positions (verl's ``optimal_token_baseline``).
+
+    Returns ``(advantages, returns)``, both ``[B, R]``. Single-turn data; for multi-turn rows with
+    tool segments use :func:`tir_optimal_token_baseline`. ``handle_zero_tail`` here counts a row's
+    length in policy tokens but zeroes from that *absolute column* on, as verl does (the two agree
+    when every row's policy tokens are a prefix). ``norm_adv_by_std_in_grpo`` and extra keyword
+    arguments are accepted for a uniform calling convention and ignored.
+    """
+    maskf, cdt, out_dt = _prepare(
+        token_level_rewards,
+        response_mask,
+        {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "rollout_is_weights": rollout_is_weights},
+        required=True,
+    )
+    batch, resp = token_level_rewards.shape
+    device = token_level_rewards.device
+    group, n_groups = _group_ids(index, batch, device)
+    returns, weights, scratch = _returns_and_weights(
+        token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, cdt
+    )
+    # Per group and column: B* = Σ G·W / (Σ W + ε); groups of one sample get 0. Group sums by
+    # bincount on keys group·R + column, written into the scratch buffer (no new [B, R] tensor):
+    # on CPU this is several times faster than index_add_ over rows.
+    members = torch.bincount(group, minlength=n_groups)
+    n_keys = n_groups * resp
+    key_dtype = torch.int32 if cdt == torch.float32 else torch.int64
+    if n_keys > torch.iinfo(key_dtype).max:
+        keys = torch.empty((batch, resp), dtype=torch.int64, device=device)
+    else:
+        keys = scratch.view(key_dtype)
+    torch.add(
+        torch.arange(resp, dtype=keys.dtype, device=device).unsqueeze(0),
+        (group * resp).to(keys.dtype).unsqueeze(1),
+        out=keys,
+    )
+    keys = keys.view(-1)
+    den = torch.bincount(keys, weights=weights.view(-1), minlength=n_keys)
+    num = torch.bincount(keys, weights=weights.mul_(returns).view(-1), minlength=n_keys)
+    table = num.div_(den.add_(epsilon)).view(n_groups, resp).to(cdt)
+    table.masked_fill_((members < 2).unsqueeze(1), 0.0)
+    # The weights buffer is free now: gather each row's baselines into it.
+    baselines = torch.index_select(table, 0, group, out=weights)
+    if handle_zero_tail and batch:
+        start = _zero_tail_start(maskf.sum(-1), group, n_groups, members)
+        rows = (start >= 0).nonzero().squeeze(1)  # at most one row per group
+        if rows.numel():
+            tails = baselines.index_select(0, rows)
+            tails.masked_fill_(torch.arange(resp, device=device).unsqueeze(0) >= start[rows].unsqueeze(1), 0.0)
+            baselines.index_copy_(0, rows, tails)
+    return _finish(returns, baselines, maskf, out_dt)
+
+
+@register_estimator("tir_optimal_token_baseline")
+@torch.no_grad()
+def tir_optimal_token_baseline(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-turn (TIR) Optimal Token Baseline (verl's ``tir_optimal_token_baseline``).
+
+    Baselines are computed over the k-th policy token of each row: B*_k is taken across the
+    group's rows at their k-th ``mask == 1`` token, whatever its absolute column. ``returns`` is
+    the reward-to-go over the full ``[B, R]`` layout (nonzero on tool tokens too, as in verl).
+    Rows without policy tokens are not group members.
+
+    Equivalent to packing every row to its policy tokens (:func:`otb_tir.layout.pack_policy_tokens`),
+    taking per-column baselines and unpacking; the compact arrays are not materialized: the
+    group sums are keyed on ``(group, k)`` from :func:`otb_tir.layout.policy_counts` with one
+    ``bincount`` each, and the baselines are gathered straight back into ``[B, R]``.
+    ``norm_adv_by_std_in_grpo`` and extra keyword arguments are accepted and ignored.
+    """
+    maskf, cdt, out_dt = _prepare(
+        token_level_rewards,
+        response_mask,
+        {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "rollout_is_weights": rollout_is_weights},
+        required=True,
+    )
+    batch = token_level_rewards.shape[0]
+    device = token_level_rewards.device
+    group, n_groups = _group_ids(index, batch, device)
+    returns, weights, scratch = _returns_and_weights(
+        token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, cdt
+    )
+    # Slot of each token: c = running count of policy tokens (policy token k of a row → c = k + 1;
+    # an environment token shares the slot of the policy token before it, or slot 0, and adds 0).
+    counts = policy_counts_into(maskf, scratch)  # reuses the scratch buffer: no new [B, R] tensor
+    if counts.shape[1]:
+        lengths = counts[:, -1].to(torch.long)
+    else:
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    slots = int(lengths.max()) + 1 if batch else 1
+    n_keys = n_groups * slots
+    if n_keys > torch.iinfo(counts.dtype).max:
+        counts = counts.to(torch.int64)
+    keys = counts.add_((group * slots).to(counts.dtype).unsqueeze(1)).view(-1)
+    # Rows without policy tokens are not members of their group (verl skips them).
+    members = torch.zeros(n_groups, dtype=torch.long, device=device).index_add_(0, group, (lengths > 0).long())
+    den = torch.bincount(keys, weights=weights.view(-1), minlength=n_keys)
+    num = torch.bincount(keys, weights=weights.mul_(returns).view(-1), minlength=n_keys)
+    table = num.div_(den.add_(epsilon)).view(n_groups, slots).to(cdt)
+    table.masked_fill_((members < 2).unsqueeze(1), 0.0)
+    if handle_zero_tail and batch:
+        # Beyond the runner-up length only the unique longest row has tokens, so its tail can be
+        # zeroed in the group's table: slots k + 1 for k ≥ runner-up.
+        start = _zero_tail_start(lengths, group, n_groups, members)
+        tail_start = torch.full((n_groups,), slots, dtype=torch.long, device=device)
+        tail_start.scatter_reduce_(0, group, torch.where(start >= 0, start + 1, slots), reduce="amin")
+        table.masked_fill_(torch.arange(slots, device=device).unsqueeze(0) >= tail_start.unsqueeze(1), 0.0)
+    # The weights buffer is free now: gather the baselines into it (it becomes the advantages).
+    baselines = torch.index_select(table.view(-1), 0, keys, out=weights.view(-1)).view_as(returns)
+    return _finish(returns, baselines, maskf, out_dt)
+
+
+def _group_scores(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.dtype]:
+    """Scalar score per row (sum of its token rewards, float64), group ids, group sizes."""
+    _, _, out_dt = _prepare(token_level_rewards, response_mask, {}, required=False)
+    batch = token_level_rewards.shape[0]
+    group, n_groups = _group_ids(index, batch, token_level_rewards.device)
+    # Row sums in the input dtype (as verl), group statistics in float64: for a group of equal
+    # scores the mean is then exact and the advantage exactly 0.
+    scores = token_level_rewards.sum(dim=-1).to(torch.float64)
+    members = torch.bincount(group, minlength=n_groups)
+    return scores, group, members, n_groups, out_dt
+
+
+@register_estimator("grpo")
+@torch.no_grad()
+def grpo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: (score − group mean) / (group std + ε), broadcast over the mask.
+
+    score = sum of the row's token rewards; std is the unbiased sample std; a group of one sample
+    uses mean 0 and std 1 (as verl). ``norm_adv_by_std_in_grpo=False`` gives Dr.GRPO (no division).
+    Returns ``(advantages, advantages)`` like verl. OTB-only arguments are accepted and ignored.
+    """
+    scores, group, members, n_groups, out_dt = _group_scores(token_level_rewards, response_mask, index)
+    sums = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(0, group, scores)
+    count = members.to(torch.float64)
+    single = members < 2
+    mean = torch.where(single, 0.0, sums / count)
+    centered = scores - mean[group]
+    sq = torch.zeros_like(sums).index_add_(0, group, centered.square())
+    std = torch.where(single, 1.0, (sq / (count - 1).clamp_min(1)).sqrt())
+    adv = centered / (std[group] + epsilon) if norm_adv_by_std_in_grpo else centered
+    adv = adv.to(out_dt).unsqueeze(-1) * response_mask.to(out_dt)
+    return adv, adv
+
+
+@register_estimator("rloo")
+@torch.no_grad()
+def rloo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO outcome advantage: score minus the mean score of the *other* samples of the group.
+
+    Written as verl does, ``n/(n−1)·(score − group mean)``; a group of one sample keeps its score.
+    Returns ``(advantages, advantages)``. OTB/GRPO-only arguments are accepted and ignored.
+    """
+    scores, group, members, n_groups, out_dt = _group_scores(token_level_rewards, response_mask, index)
+    sums = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(0, group, scores)
+    n = members.to(torch.float64)[group]
+    mean = sums[group] / n
+    adv = torch.where(n > 1, scores * n / (n - 1).clamp_min(1) - mean * n / (n - 1).clamp_min(1), scores)
+    adv = adv.to(out_dt).unsqueeze(-1) * response_mask.to(out_dt)
+    return adv, adv
+
+
+# --------------------------------------------------------------------------------------------
+# reward placement
+
+
+@torch.no_grad()
+def place_reward_on_last_policy_token(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """Move each row's total reward onto its last ``mask == 1`` token.
+
+    verl forms returns from ``token_level_rewards * response_mask``, so a reward sitting on a
+    mask-0 token (the last token of a multi-turn row is often a tool response or an appended
+    end-of-turn token) is silently dropped. Call this before any estimator: every row's rewards
+    are summed and placed on its last policy token, the rest of the row becomes 0. Rows without
+    policy tokens are returned unchanged (no token could carry their reward; no gradient flows
+    through them). Returns a new tensor; the inputs are not modified.
+    """
+    if not isinstance(token_level_rewards, torch.Tensor) or token_level_rewards.dim() != 2:
+        raise ConfigError("token_level_rewards must be a 2-D [batch, response_length] tensor")
+    _check_2d("response_mask", response_mask, token_level_rewards.shape, True)
+    mask = response_mask != 0
+    _, resp = mask.shape
+    has_policy = mask.any(dim=-1)
+    # Index of the last True per row: argmax of (column index + 1) over the mask.
+    positions = torch.arange(1, resp + 1, device=mask.device)
+    last = (mask * positions).argmax(dim=-1, keepdim=True)
+    out = torch.zeros_like(token_level_rewards)
+    out.scatter_(1, last, token_level_rewards.sum(dim=-1, keepdim=True))
+    return torch.where(has_policy.unsqueeze(1), out, token_level_rewards)
