@@ -118,6 +118,17 @@ def test_update_weights_gives_the_new_policy_logprobs(vllm_results: dict) -> Non
     assert "unknown names" in r["bad_updates"]["unknown_name"]
     assert "wrong shapes" in r["bad_updates"]["wrong_shape"]
     assert r["after_bad_update_diff"] < LOGPROB_TOL
+    # an update issued mid-flight: running requests finish on the old weights, later ones use the new
+    assert r["drain_old_diff"] < LOGPROB_TOL
+    assert r["drain_new_diff"] < LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_cancelled_request_is_aborted_and_the_engine_keeps_serving(vllm_results: dict) -> None:
+    r = vllm_results
+    assert r["cancelled"] is True
+    assert r["after_cancel_tokens"] > 0
+    assert r["unfinished_after_cancel"] == 0 and r["pending_after_cancel"] == 0
 
 
 @pytest.mark.slow

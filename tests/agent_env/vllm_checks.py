@@ -200,6 +200,34 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     kept = await engine.generate(long_prompt, sp_long)
     res["after_bad_update_diff"] = max_diff(kept.logprobs, hf_logprobs(hf, long_prompt, kept.token_ids, TEMPERATURE))
 
+    # 7c. An update issued while requests run waits for them (they finish on the old weights);
+    # a request issued after it runs on the new weights. hf holds new2, like the engine.
+    new5 = perturbed_state(hf_old, 0.5, seed=5)
+    old_tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=60 + i)))
+                 for i, p in enumerate(prompts[:4])]
+    upd = asyncio.create_task(engine.update_weights(new5))
+    new_task = asyncio.create_task(engine.generate(long_prompt, sp_long))
+    old_outs = await asyncio.gather(*old_tasks)
+    await upd
+    new_out = await new_task
+    res["drain_old_diff"] = max(max_diff(o.logprobs, hf_logprobs(hf, p, o.token_ids, TEMPERATURE)) for p, o in zip(prompts, old_outs))
+    hf.load_state_dict(new5)
+    res["drain_new_diff"] = max_diff(new_out.logprobs, hf_logprobs(hf, long_prompt, new_out.token_ids, TEMPERATURE))
+
+    # 7d. Cancelling an awaiting episode aborts its request; the engine keeps serving.
+    long_task = asyncio.create_task(engine.generate(prompts[0], SamplingParams(max_tokens=1500, temperature=TEMPERATURE, seed=9, stop_token_ids=[])))
+    await asyncio.sleep(0.5)
+    long_task.cancel()
+    try:
+        await long_task
+        res["cancelled"] = False
+    except asyncio.CancelledError:
+        res["cancelled"] = True
+    after_cancel = await engine.generate(prompts[0], SamplingParams(max_tokens=8, temperature=TEMPERATURE, seed=10))
+    res["after_cancel_tokens"] = len(after_cancel.token_ids)
+    res["unfinished_after_cancel"] = await engine._call(lambda: engine._engine.get_num_unfinished_requests(), drain=False)
+    res["pending_after_cancel"] = len(engine._pending)
+
     # 8. Sensitivity: the same update WITHOUT the prefix-cache reset must give stale log-probs,
     # proving the checks above can fail. (The cache now holds new2's KV for long_prompt.)
     new3 = perturbed_state(hf_old, 0.5, seed=3)
