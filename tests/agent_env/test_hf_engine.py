@@ -125,8 +125,7 @@ def test_eos_stops_by_default(tiny_model_dir, tiny_tokenizer, prompts):
     eng = HFEngine(tiny_model_dir)
     eos = tiny_tokenizer.eos_token_id
     assert eos in eng._eos_ids
-    # Force the eos token: a prompt whose greedy continuation we then treat as eos via a model
-    # whose eos is the greedy first token (the stop path is the same as for stop_token_ids).
+    # The random model rarely samples eos: declare its first greedy token to be eos instead.
     first = run(eng.generate(prompts[0], SamplingParams(max_tokens=1, temperature=0.0))).token_ids[0]
     eng._eos_ids = frozenset({first})
     out = run(eng.generate(prompts[0], SamplingParams(max_tokens=10, temperature=0.0)))
@@ -158,12 +157,32 @@ def test_stop_strings_included_and_respected(engine, tiny_tokenizer, prompts):
 
 
 def test_stop_string_in_prompt_is_ignored(engine, tiny_tokenizer, prompts):
-    text = tiny_tokenizer.decode(prompts[0])
-    stop = text[5:12]
-    out = run(engine.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0.0, stop=[stop])))
     full = run(engine.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0.0)))
-    if stop not in tiny_tokenizer.decode(full.token_ids):
-        assert out.token_ids == full.token_ids and out.finish_reason == "length"
+    out_text = tiny_tokenizer.decode(full.token_ids)
+    prompt_text = tiny_tokenizer.decode(prompts[0])
+    stop = next(prompt_text[i : i + 6] for i in range(len(prompt_text)) if prompt_text[i : i + 6] not in out_text)
+    out = run(engine.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0.0, stop=[stop])))
+    assert out.token_ids == full.token_ids and out.finish_reason == "length"
+
+
+def test_step_failure_reaches_callers_and_engine_recovers(tiny_model_factory, prompts):
+    eng = HFEngine(tiny_model_factory())
+    real = eng._forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    eng._forward = flaky
+    sp = SamplingParams(max_tokens=10, temperature=0.0)
+    with pytest.raises(EngineError, match="boom"):
+        run(gen_all(eng, prompts[:3], sp))
+    again = run(eng.generate(prompts[0], sp))
+    assert len(again.token_ids) == 10 and again.finish_reason == "length"
+    run(eng.close())
 
 
 def test_seeds_reproducible_and_independent_of_batch(engine, prompts, tiny_model_dir):
