@@ -6,6 +6,8 @@ import asyncio
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from agent_env.engines import Engine, EngineError, HFEngine, SamplingParams
@@ -362,3 +364,38 @@ def test_cancel_and_close(tiny_model_dir, prompts):
     assert late.finish_reason == "abort" and len(late.token_ids) < 5000
     with pytest.raises(EngineError, match="closed"):
         run(eng.generate(prompts[0], SamplingParams()))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(3, 2000), min_size=1, max_size=40),  # prompt ids, length 1..40
+            st.integers(1, 12),  # max_tokens
+            st.integers(0, 3),  # arrival delay (engine steps, roughly)
+            st.sampled_from([0.0, 0.8, 1.0]),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_property_logprobs_and_greedy_under_random_batches(engine, tiny_model, reqs):
+    """Random prompt lengths, budgets and arrival times: every row still equals an unpadded forward."""
+
+    async def go():
+        async def one(i, prompt, n, delay, temp):
+            await asyncio.sleep(0.005 * delay)
+            return await engine.generate(prompt, SamplingParams(max_tokens=n, temperature=temp, seed=i))
+
+        return await asyncio.gather(*[one(i, *r) for i, r in enumerate(reqs)])
+
+    outs = run(go())
+    for (prompt, n, _, temp), out in zip(reqs, outs):
+        assert 1 <= len(out.token_ids) <= n
+        assert out.finish_reason == ("length" if len(out.token_ids) == n and out.token_ids[-1] not in engine._eos_ids else "stop")
+        ref = teacher_forced(tiny_model, prompt, out.token_ids, temp)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+        if temp == 0.0:
+            with torch.no_grad():
+                logits = tiny_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+            assert logits.argmax(-1).tolist() == out.token_ids
