@@ -13,6 +13,7 @@ Log-probs: the engine is started with ``logprobs_mode="processed_logprobs"``, so
 processed log-probs *after* top-k/top-p masking (renormalized over the kept tokens), which is
 not the contract, so ``top_p < 1`` or ``top_k > 0`` is refused unless the engine was built with
 ``allow_truncated_logprobs=True`` (then the renormalized values are returned, as documented).
+With ``temperature=0`` (greedy) vLLM reports ``log_softmax(logits)``, i.e. the T = 1 values.
 
 Weight updates (:meth:`VLLMEngine.update_weights`), chosen automatically:
 - GPU (``"load_weights"``): ``model.load_weights(named_tensors)`` on the worker, the standard path.
@@ -257,7 +258,20 @@ class _Stats:
 class VLLMEngine:
     """vLLM in process behind :class:`~agent_env.engines.base.Engine` (see the module docstring).
 
-    ``engine_kwargs`` go to ``vllm.LLM`` unchanged (``max_num_seqs``, ``block_size`` …).
+    Args:
+        model_path: a local HF model folder (``save_pretrained``); nothing is fetched from a hub.
+        tokenizer: tokenizer folder if not the model folder.
+        dtype: ``"float32"`` on CPU (log-probs then match an fp32 trainer), ``"auto"`` on GPU.
+        gpu_memory_utilization: GPU only. On CPU the KV cache is a fixed
+            ``kv_cache_memory_bytes`` (default 512 MiB; pass it in ``engine_kwargs`` to change it),
+            because vLLM-CPU reads ``gpu_memory_utilization`` as a fraction of host memory.
+        seed: engine-wide seed (per-request seeds come from ``SamplingParams.seed``).
+        enforce_eager: no CUDA graphs / compilation (fast start; right for small RL models).
+        max_model_len: context window; ``max_tokens`` is capped by what the prompt leaves.
+        weight_update: ``"auto"`` (``"reload"`` on CPU, ``"load_weights"`` on GPU) or either.
+        allow_truncated_logprobs: accept ``top_p < 1`` / ``top_k > 0`` with vLLM's renormalized
+            log-probs (not the contract's full-vocabulary ones).
+        engine_kwargs: passed to ``vllm.LLM`` unchanged (``max_num_seqs``, ``block_size`` …).
     """
 
     def __init__(
@@ -283,6 +297,10 @@ class VLLMEngine:
             raise EngineError(f"logprobs_mode={mode!r} would break the Engine contract; VLLMEngine uses 'processed_logprobs'")
         vllm = _import_vllm()
         from vllm.platforms import current_platform
+
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in ("0", "false", "False"):
+            logger.warning("VLLM_ENABLE_V1_MULTIPROCESSING is on: vLLM's engine core runs in another process, "
+                           "so update_weights pickles the tensors (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)")
 
         self.on_cpu = bool(current_platform.is_cpu())
         if dtype is None:
@@ -458,6 +476,10 @@ class VLLMEngine:
         self._closed = True
         self._inbox.put(None)
         await asyncio.to_thread(self._thread.join)
-        llm, self._llm = self._llm, None
-        self._engine = None
-        del llm
+        engine, self._engine, self._llm = self._engine, None, None
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at close
+                logger.debug("vLLM engine core shutdown raised", exc_info=True)
