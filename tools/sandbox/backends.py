@@ -154,7 +154,7 @@ class BwrapBackend(Backend):
                 cmd += ["--cap-add", cap]
         else:
             cmd += ["--unshare-all"]
-        cmd += ["--die-with-parent", "--new-session", "--clearenv",
+        cmd += ["--die-with-parent", "--new-session", "--clearenv", "--as-pid-1",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
                 "--setenv", "HOME", SCRATCH, "--setenv", "LANG", "C.UTF-8",
                 "--setenv", "PYTHONDONTWRITEBYTECODE", "1",

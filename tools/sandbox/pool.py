@@ -157,9 +157,22 @@ class WorkerProcess:
         await self.kill()
 
     async def kill(self) -> None:
+        """Hard stop. The sandbox's own processes are killed first (bwrap's pid-namespace init,
+        or the fallback worker's children) so that their parents reap them: killing the top
+        process first would leave zombies for the host's init to collect."""
         proc = self.proc
         if proc is None:
             return
+        if proc.returncode is None:
+            for pid in _children(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            try:
+                await asyncio.wait_for(proc.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
         if proc.returncode is None:
             try:
                 proc.kill()
@@ -185,6 +198,27 @@ class WorkerProcess:
             scratch = self.cfg.get("scratch")
             if scratch and os.path.isdir(scratch):
                 shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rindex(b")") + 2:].split()
+        if int(rest[1]) == pid:
+            out.append(int(name))
+    return out
 
 
 def _minimal_env() -> dict[str, str]:

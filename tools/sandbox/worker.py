@@ -266,6 +266,7 @@ class Worker:
         self.spare: Child | None = None
         self.session: Child | None = None
         self._to_reap: list[int] = []
+        self.host_gone = False
         self.proto_in = os.dup(0)
         self.proto_out = os.dup(1)
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -447,7 +448,7 @@ class Worker:
         status: str | None = None
         deadline = time.monotonic() + timeout
         st_buf = bytearray()
-        fds = [child.out_r, child.st_r]
+        fds = [child.out_r, child.st_r, self.proto_in]
         while status is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -457,6 +458,12 @@ class Worker:
                 ready, _, _ = select.select(fds, [], [], remaining)
             except InterruptedError:
                 continue
+            if self.proto_in in ready:
+                # the host never sends a request while one is running: this is EOF, the host is
+                # closing the pool (or gone). Stop the snippet and shut down cleanly.
+                self.host_gone = True
+                status = "sandbox"
+                break
             if child.out_r in ready:
                 data = os.read(child.out_r, 65536)
                 if not data:
@@ -480,7 +487,7 @@ class Worker:
                                 status = json.loads(bytes(st_buf[_HDR.size:_HDR.size + n]))["status"]
                             except Exception:  # noqa: BLE001 - the snippet wrote garbage on fd 4
                                 status = "runtime"
-            if not fds:
+            if fds == [self.proto_in]:
                 break
         # the child has printed everything it will print before its status: drain what is there
         if status not in ("timeout", "output_cut"):
@@ -547,6 +554,18 @@ class Worker:
 
     def after(self) -> None:
         """Off the critical path: wipe scratch, reap, pre-fork the next spare."""
+        if not self.stateful and self.spare is None and self.session is None:
+            # every child left is SIGKILLed already: reap them all (zombies would still count
+            # against the uid's process limit) before the next spare is forked
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                try:
+                    pid, _ = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    time.sleep(0.0005)
+            self._to_reap.clear()
         # children killed after their snippet are reaped without waiting for the kernel to tear
         # down their memory; those not gone yet are reaped on a later pass
         still = []
@@ -605,6 +624,8 @@ class Worker:
                     resp = {"id": req.get("id"), "status": "sandbox", "output": "",
                             "cut": False, "note": f"worker error: {type(e).__name__}: {e}",
                             "exec_ms": 0.0, "state_reset": True}
+                if self.host_gone:
+                    break
                 write_frame(self.proto_out, resp)
                 self.after()
                 # tells the host this worker has a fresh spare again (the pool routes new calls
