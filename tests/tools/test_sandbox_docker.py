@@ -1,0 +1,126 @@
+"""The docker backend. No Docker daemon runs on the development machine, so this tests what can be
+tested honestly: the container command/spec it builds, and the protocol and recycling with the
+very same worker run as a local process in place of the container. A real container test runs
+only where ``docker info`` succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tools.base import ErrorKind
+from tools.sandbox import DockerBackend, PythonTool
+from tools.sandbox.backends import SANDBOX_WORKER_PATH, WORKER_PATH
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_container_spec() -> None:
+    t = PythonTool(backend="docker", image="otb/sandbox:py311", memory_mb=512)
+    b = t.backend
+    assert isinstance(b, DockerBackend) and t.recycle_after == 500
+    cfg = b.worker_config(dict(t.worker_cfg, stateful=False))
+    assert cfg["uid"] is None and cfg["nproc"] is None and cfg["scratch"] == "/tmp/scratch"
+    cmd = b.command(cfg)
+    assert cmd[:4] == ["docker", "run", "-i", "--rm"]
+    assert _flag(cmd, "--network") == "none"
+    assert "--read-only" in cmd
+    assert _flag(cmd, "--cap-drop") == "ALL"
+    assert _flag(cmd, "--security-opt") == "no-new-privileges"
+    user = _flag(cmd, "--user")
+    assert not user.startswith("0") and user.split(":")[0].isdigit()
+    assert _flag(cmd, "--memory") == _flag(cmd, "--memory-swap") == "2048m"
+    assert int(_flag(cmd, "--pids-limit")) <= 128 and float(_flag(cmd, "--cpus")) > 0
+    tmpfs = _flag(cmd, "--tmpfs")
+    assert tmpfs.startswith("/tmp:") and "size=64m" in tmpfs and "nosuid" in tmpfs
+    assert _flag(cmd, "-v") == f"{WORKER_PATH}:{SANDBOX_WORKER_PATH}:ro"
+    i = cmd.index("otb/sandbox:py311")
+    assert cmd[i - 2:i] == ["--entrypoint", "python"]
+    assert cmd[i + 1:i + 3] == ["-I", SANDBOX_WORKER_PATH]
+    assert json.loads(cmd[i + 3])["memory_mb"] == 512
+    # everything before the image is a docker option, nothing after it is
+    assert all(not a.startswith("--") or a == "--entrypoint" for a in cmd[i + 1:i + 3])
+
+
+@dataclass
+class LocalDockerBackend(DockerBackend):
+    """The docker backend with `docker run ...` replaced by running the worker locally."""
+
+    scratch: str = ""
+
+    def command(self, cfg: dict[str, Any]) -> list[str]:
+        return [sys.executable, "-I", WORKER_PATH, json.dumps(cfg)]
+
+    def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        cfg = super().worker_config(cfg)
+        cfg["scratch"] = self.scratch
+        return cfg
+
+
+def test_protocol_and_recycling_with_a_local_worker(tmp_path) -> None:
+    backend = LocalDockerBackend(scratch=str(tmp_path / "scratch"))
+    t = PythonTool(backend=backend, workers=1, recycle_after=3, cache=False, timeout=2.0,
+                   preload=("math",), max_output_chars=100)
+
+    async def scenario():
+        await t.start()
+        pids = []
+        outs = []
+        for i in range(7):
+            r = await t.call({"code": f"import os\nprint({i})\nos.getppid()"})
+            outs.append(r)
+            await asyncio.sleep(0)  # let the pool swap a recycled worker in
+            await asyncio.sleep(0.05)
+            pids.append(int(r.text.split()[1]))
+        respawned = t.pool.respawned
+        timeout = await t.call({"code": "while True: pass"})
+        cut = await t.call({"code": "print('z' * 1000)"})
+        err = await t.call({"code": "1/0"})
+        await t.close()
+        return pids, outs, respawned, timeout, cut, err
+
+    pids, outs, respawned, timeout, cut, err = asyncio.run(scenario())
+    assert [r.text.split()[0] for r in outs] == [str(i) for i in range(7)]
+    # the worker (the snippet's parent) changes every 3 snippets
+    assert pids[0] == pids[1] == pids[2] != pids[3]
+    assert pids[3] == pids[4] == pids[5] != pids[6]
+    assert respawned == 2
+    assert timeout.error == ErrorKind.TIMEOUT
+    assert cut.error == ErrorKind.OUTPUT_CUT and "output truncated" in cut.text
+    assert err.error == ErrorKind.RUNTIME and "ZeroDivisionError" in err.text
+
+
+def _docker_daemon() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _docker_daemon(), reason="no Docker daemon here (the CLI alone can't run "
+                                                 "containers)")
+def test_real_container() -> None:  # pragma: no cover - needs a daemon
+    t = PythonTool(backend="docker", image="python:3.11-slim", workers=1, preload=("math",))
+
+    async def scenario():
+        try:
+            a = await t.call({"code": "import os\nprint(os.getuid() != 0)"})
+            b = await t.call({"code": "import socket\nsocket.create_connection(('1.1.1.1', 53), 2)"})
+            return a, b
+        finally:
+            await t.close()
+
+    a, b = asyncio.run(scenario())
+    assert a.text == "True\n"
+    assert not b.ok
