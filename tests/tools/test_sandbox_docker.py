@@ -69,7 +69,7 @@ class LocalDockerBackend(DockerBackend):
 def test_protocol_and_recycling_with_a_local_worker(tmp_path) -> None:
     backend = LocalDockerBackend(scratch=str(tmp_path / "scratch"))
     t = PythonTool(backend=backend, workers=1, recycle_after=3, cache=False, timeout=2.0,
-                   preload=("math",), max_output_chars=100)
+                   preload=("math",), max_output_chars=300)
 
     async def scenario():
         await t.start()
