@@ -177,3 +177,25 @@ def test_make_traces_use_real_tool_results():
             kinds.add("wrong_tool")
             assert result != truth
     assert len(kinds) >= 3
+
+
+@pytest.mark.slow
+def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatch):
+    from otb_tir.trainer import warm_start
+
+    base = tiny_policy_dir()
+    path = warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, base=base, progress=False)
+    assert path.parent == tmp_path and (path / "otb_tir_warm_start.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert tok.chat_template and model.config.model_type == "qwen3"
+    # weights changed from the base
+    base_model = AutoModelForCausalLM.from_pretrained(base)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), base_model.parameters()))
+    # a second call with the same settings reuses the folder without training
+    monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
+    assert warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, base=base) == path
+    # different settings: a different folder
+    with pytest.raises(ConfigError):
+        warm_start.warm_start_policy(tmp_path, steps=0, base=base)
