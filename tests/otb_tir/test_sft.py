@@ -196,6 +196,6 @@ def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatc
     # a second call with the same settings reuses the folder without training
     monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
     assert warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, base=base) == path
-    # different settings: a different folder
+    # bad settings fail before any work
     with pytest.raises(ConfigError):
         warm_start.warm_start_policy(tmp_path, steps=0, base=base)
