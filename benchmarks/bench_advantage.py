@@ -44,15 +44,20 @@ def make_batch(batch: int, resp: int, group_size: int, tool_segments: int, seed:
     }
 
 
-def timeit(fn: Callable[[], object], reps: int) -> float:
-    """Median wall time of ``reps`` calls (after one warm-up call), seconds."""
+def timeit(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median wall time and median process CPU time of ``reps`` calls (after one warm-up), seconds.
+
+    CPU time is printed too because it is far less sensitive than wall time to other processes
+    competing for the cores (it still includes page faults, which dominate fresh allocations).
+    """
     fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    walls, cpus = [], []
+    for _ in range(max(1, reps)):
+        w0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def main() -> int:
@@ -83,26 +88,33 @@ def main() -> int:
         f"{policy_frac:.0%} policy tokens, torch threads={torch.get_num_threads()}"
     )
     tensors = [data[k] for k in ("token_level_rewards", "response_mask", "old_log_probs", "sum_pi_squared")]
-    t_copy = timeit(lambda: [t.clone() for t in tensors], args.reps)
-    print(f"copy the inputs (floor): {t_copy * 1e3:9.1f} ms")
+    t_copy, c_copy = timeit(lambda: [t.clone() for t in tensors], args.reps)
+    print(f"copy the inputs (floor): wall {t_copy * 1e3:8.1f} ms  cpu {c_copy * 1e3:8.1f} ms")
 
     ok = True
     for name, ours, ref in (
         ("TIR-OTB", tir_optimal_token_baseline, core_algos.compute_multi_turn_optimal_token_baseline_advantage),
         ("dense OTB", optimal_token_baseline, core_algos.compute_optimal_token_baseline_advantage),
     ):
-        t_ours = timeit(lambda: ours(**data), args.reps)
-        t0 = time.perf_counter()
+        t_ours, c_ours = timeit(lambda: ours(**data), args.reps)
+        w0, c0 = time.perf_counter(), time.process_time()
         ref_adv, ref_ret = ref(**data)
-        t_ref = time.perf_counter() - t0
+        t_ref, c_ref = time.perf_counter() - w0, time.process_time() - c0
         if args.verl_reps > 1:
-            t_ref = statistics.median([t_ref] + [timeit(lambda: ref(**data), 0) for _ in range(args.verl_reps - 1)])
+            more = [timeit(lambda: ref(**data), 1) for _ in range(args.verl_reps - 1)]
+            t_ref = statistics.median([t_ref] + [m[0] for m in more])
+            c_ref = statistics.median([c_ref] + [m[1] for m in more])
+        # The floor again, right after ours, so both see the same machine load.
+        t_copy2, c_copy2 = timeit(lambda: [t.clone() for t in tensors], args.reps)
+        t_floor, c_floor = min(t_copy, t_copy2), min(c_copy, c_copy2)
         adv, ret = ours(**data)
         diff = max((adv - ref_adv).abs().max().item(), (ret - ref_ret).abs().max().item())
         ok &= diff <= 1e-6
         print(
-            f"{name:9s}: ours {t_ours * 1e3:9.1f} ms | verl {t_ref * 1e3:9.1f} ms | "
-            f"speed-up vs verl {t_ref / t_ours:6.1f}x | ours / copy floor {t_ours / t_copy:5.2f}x | "
+            f"{name:9s}: ours wall {t_ours * 1e3:8.1f} ms (cpu {c_ours * 1e3:8.1f}) | "
+            f"verl wall {t_ref * 1e3:9.1f} ms (cpu {c_ref * 1e3:9.1f}) | "
+            f"speed-up vs verl {t_ref / t_ours:6.1f}x (cpu {c_ref / c_ours:6.1f}x) | "
+            f"ours / copy floor {t_ours / t_floor:5.2f}x (cpu {c_ours / c_floor:5.2f}x) | "
             f"max |ours - verl| = {diff:.2e}"
         )
     if not ok:

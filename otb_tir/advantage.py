@@ -227,6 +227,13 @@ def _zero_tail_start(lengths: torch.Tensor, group: torch.Tensor, n_groups: int, 
     return torch.where(unique_tail, runner_up[group].clamp_min(0), -1)
 
 
+def _empty(token_level_rewards: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.zeros(token_level_rewards.shape, dtype=out_dtype, device=token_level_rewards.device),
+        torch.zeros(token_level_rewards.shape, dtype=out_dtype, device=token_level_rewards.device),
+    )
+
+
 def _finish(returns: torch.Tensor, baselines: torch.Tensor, maskf: torch.Tensor, out_dtype: torch.dtype):
     """A = (G − B)·mask, written into the baselines buffer; results cast to the output dtype."""
     advantages = torch.sub(returns, baselines, out=baselines).mul_(maskf)
@@ -268,6 +275,8 @@ def optimal_token_baseline(
     batch, resp = token_level_rewards.shape
     device = token_level_rewards.device
     group, n_groups = _group_ids(index, batch, device)
+    if token_level_rewards.numel() == 0:
+        return _empty(token_level_rewards, out_dt)
     returns, weights, scratch = _returns_and_weights(
         token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, cdt
     )
@@ -339,6 +348,8 @@ def tir_optimal_token_baseline(
     batch = token_level_rewards.shape[0]
     device = token_level_rewards.device
     group, n_groups = _group_ids(index, batch, device)
+    if token_level_rewards.numel() == 0:
+        return _empty(token_level_rewards, out_dt)
     returns, weights, scratch = _returns_and_weights(
         token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, cdt
     )
@@ -469,6 +480,8 @@ def place_reward_on_last_policy_token(
     _check_2d("response_mask", response_mask, token_level_rewards.shape, True)
     mask = response_mask != 0
     _, resp = mask.shape
+    if mask.numel() == 0:
+        return token_level_rewards.clone()
     has_policy = mask.any(dim=-1)
     # Index of the last True per row: argmax of (column index + 1) over the mask.
     positions = torch.arange(1, resp + 1, device=mask.device)

@@ -380,3 +380,15 @@ def test_bad_inputs_raise_config_error(estimator):
         estimator(r, m, np.array(["a", 1], dtype=object), lp, lp)
     with pytest.raises(ConfigError, match="2-D"):
         estimator(torch.zeros(3), m, idx, lp, lp)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+def test_empty_batches(shape):
+    z = torch.zeros(shape)
+    index = np.array(["a"] * shape[0], dtype=object)
+    for name in list_estimators():
+        if name.startswith("test_only"):
+            continue
+        adv, ret = get_estimator(name)(z, torch.ones(shape), index, z, z)
+        assert adv.shape == ret.shape == shape
+    assert place_reward_on_last_policy_token(z, z).shape == shape
