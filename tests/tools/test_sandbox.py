@@ -313,6 +313,8 @@ def test_fallback_backend_isolation_and_announcement(loop, caplog) -> None:
     assert not os.path.exists(scratch)
 
 
+# asyncio warns when the transports of a closed loop are garbage-collected; that's expected here
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_usable_from_successive_event_loops() -> None:
     t = PythonTool(backend="fallback", workers=1, preload=LIGHT)
     try:
@@ -350,3 +352,16 @@ def test_docs_and_import_rule() -> None:
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_stateful_session_across_event_loops() -> None:
+    t = PythonTool(backend="fallback", workers=1, stateful=True, preload=LIGHT)
+    try:
+        assert asyncio.run(t.call({"code": "x = 1"}, session_id="s")).ok
+        r = asyncio.run(t.call({"code": "print('new loop')\nx"}, session_id="s"))
+        assert r.text.startswith("new loop\n") and "NameError" in r.text and "restarted" in r.text
+        assert asyncio.run(t.call({"code": "x = 2\nx"}, session_id="s")).text.startswith("2\n")
+    finally:
+        asyncio.run(t.close())
+    assert not t._sessions

@@ -50,6 +50,7 @@ class WorkerProcess:
         self.recycle_after = recycle_after
         self.debug = debug
         self.proc: asyncio.subprocess.Process | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.cfg: dict[str, Any] = {}
         self.info: dict[str, Any] = {}
         self.calls = 0
@@ -62,6 +63,7 @@ class WorkerProcess:
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.cfg = self.backend.worker_config(self.base_cfg)
         cmd = self.backend.command(self.cfg)
         self.proc = await asyncio.create_subprocess_exec(
@@ -187,10 +189,11 @@ class WorkerProcess:
     def kill_sync(self) -> None:
         """Kill from outside the event loop (e.g. the loop is already closed)."""
         if self.proc is not None and self.proc.returncode is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for pid in [*_children(self.proc.pid), self.proc.pid]:  # inner first: see kill()
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self._cleanup_scratch()
 
     def _cleanup_scratch(self) -> None:

@@ -142,9 +142,17 @@ class PythonTool(Tool):
         w = self._sessions.pop(session_id, None)
         self._session_locks.pop(session_id, None)
         if w is not None:
-            await w.close(grace=1.0)
+            if w.loop is asyncio.get_running_loop():
+                await w.close(grace=1.0)
+            else:  # started under another event loop
+                w.kill_sync()
 
     async def close(self) -> None:
+        if self.pool.loop is not None and self.pool.loop is not asyncio.get_running_loop():
+            # started under another (maybe closed) event loop: its transports can't be awaited
+            _kill_everything(self.pool, self._sessions)
+            self._session_locks.clear()
+            return
         for sid in list(self._sessions):
             await self.release(sid)
         await self.pool.close()
@@ -229,11 +237,15 @@ class PythonTool(Tool):
         async with lock:
             w = self._sessions.get(session_id)
             restarted = False
+            if w is not None and w.loop is not asyncio.get_running_loop():
+                w.kill_sync()  # started under another event loop: unusable here
+                del self._sessions[session_id]
+                w, restarted = None, True
             if w is None or not w.alive or w.needs_recycle:
                 if w is not None:
                     restarted = True
                     await w.close(grace=0.5)
-                elif len(self._sessions) >= self.max_sessions:
+                elif not restarted and len(self._sessions) >= self.max_sessions:
                     return _sandbox_error(f"too many open python sessions ({self.max_sessions}); "
                                           "release finished ones")
                 w = WorkerProcess(self.backend, dict(self.worker_cfg, stateful=True),
