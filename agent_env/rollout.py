@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from agent_env.episode import AgentEnv, EpisodeConfig, Trajectory, _Activity
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutBatch", "rollout", "rollout_async", "collate"]
+__all__ = ["RolloutBatch", "rollout", "rollout_async", "collate", "run_sync"]
 
 TENSOR_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
                "rollout_log_probs", "token_level_rewards")
@@ -253,5 +254,22 @@ def rollout(engine: Any, env_or_config: AgentEnv | EpisodeConfig | Mapping[str, 
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(rollout_async(engine, env_or_config, prompts, n, **kwargs))
+        return run_sync(rollout_async(engine, env_or_config, prompts, n, **kwargs))
     raise EnvError("rollout() was called inside a running event loop; use `await rollout_async(...)` there")
+
+
+_local = threading.local()
+
+
+def run_sync(coro: Any) -> Any:
+    """Run ``coro`` to completion on this thread's persistent event loop.
+
+    Unlike ``asyncio.run`` (a new loop each call), the loop is kept between calls, so tools and
+    engines that bind resources to the loop they first ran on (sandbox worker subprocesses,
+    futures) stay valid across successive ``rollout()`` calls of a training loop.
+    """
+    loop = getattr(_local, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = asyncio.new_event_loop()
+        _local.loop = loop
+    return loop.run_until_complete(coro)

@@ -14,6 +14,7 @@ import pytest
 
 from agent_env import AgentEnv, EnvError, EpisodeConfig
 from agent_env.engines.base import GenerationOutput, SamplingParams
+from agent_env.rollout import run_sync
 from tools.base import Tool, ToolResult
 
 
@@ -90,11 +91,11 @@ def real_tools():
         for t in ts.values():
             await t.close()
 
-    asyncio.run(close())
+    run_sync(close())
 
 
 def run(env, engine, prompt="What is 2+2?", **kw):
-    return asyncio.run(env.run(engine, prompt, **kw))
+    return run_sync(env.run(engine, prompt, **kw))
 
 
 def check_token_bookkeeping(env: AgentEnv, engine: ScriptedEngine, traj) -> None:
@@ -472,3 +473,49 @@ def test_configuration_errors(tiny_tokenizer, real_tools):
     env = AgentEnv(tiny_tokenizer, real_tools)
     with pytest.raises(EnvError, match="prompt must be"):
         run(env, ScriptedEngine(tiny_tokenizer, ["x"]), prompt=42)
+
+
+class EchoTool(Tool):
+    name = "echo"
+    description = "returns its text"
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+    async def call(self, args, *, session_id=None):
+        return ToolResult(text=args["text"])
+
+
+def test_token_bookkeeping_property(tiny_tokenizer):
+    """Random scripts (text with unicode, well-formed / malformed / unknown calls, several per turn,
+    answers, long tool outputs that get truncated): the token invariants hold for every episode."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=25).map(
+        lambda s: s.replace("<", "(").replace("`", "'"))
+    action = st.one_of(
+        text.map(lambda s: tc("echo", text=s)),
+        st.integers(0, 300).map(lambda k: tc("echo", text="ab" * k)),
+        text.map(lambda s: tc("nope", text=s)),
+        st.just('<tool_call>{"name": "echo", "arguments": {"text": </tool_call>'),
+        st.just(tc("echo", wrong=1)),
+    )
+    turn = st.tuples(text, st.lists(action, max_size=3), st.booleans()).map(
+        lambda t: t[0] + "".join(t[1]) + ("\\boxed{1}" if t[2] and not t[1] else ""))
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.lists(turn, min_size=1, max_size=4), st.integers(20, 400), st.sampled_from(["head", "tail", "middle"]))
+    def check(script, budget, side):
+        cfg = EpisodeConfig(max_response_tokens=budget, max_tokens_per_turn=120, max_tool_response_tokens=30,
+                            tool_response_truncate_side=side, max_assistant_turns=3)
+        env = AgentEnv(tiny_tokenizer, [EchoTool()], cfg)
+        eng = ScriptedEngine(tiny_tokenizer, script)
+        traj = run(env, eng)
+        assert len(traj.response_ids) <= budget
+        assert traj.finish_reason in ("answer", "void_turn", "max_turns", "length", "turn_length", "tool_overflow")
+        assert traj.malformed_calls == sum(c.error in ("malformed_call", "unknown_tool", "bad_arguments")
+                                           for t in traj.turns for c in t.tool_calls)
+        if traj.response_mask:
+            assert traj.response_mask[-1] == 1 or traj.finish_reason not in ("tool_overflow",)
+        check_token_bookkeeping(env, eng, traj)
+
+    check()

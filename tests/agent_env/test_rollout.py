@@ -12,7 +12,7 @@ import torch
 
 from agent_env import AgentEnv, EnvError, EpisodeConfig, rollout, rollout_async
 from agent_env.engines.base import GenerationOutput
-from agent_env.rollout import collate
+from agent_env.rollout import collate, run_sync
 from tests.agent_env.test_episode import ScriptedEngine, check_token_bookkeeping, tc
 
 
@@ -27,7 +27,7 @@ def real_tools():
         for t in ts.values():
             await t.close()
 
-    asyncio.run(close())
+    run_sync(close())
 
 
 PROMPTS = [
@@ -96,6 +96,9 @@ def test_collated_batch_layout(tiny_tokenizer, real_tools):
     assert batch.trajectories[4].response_ids == []  # zero-length responses handled
     assert (batch["token_level_rewards"][:2].sum(dim=1) == 1.0).all()
     assert batch.stats["episodes"] == 6 and batch.stats["tool_calls"] == 4
+    # a training loop calls rollout again with the same env and tools (same persistent loop)
+    again = rollout(eng, env, PROMPTS[:2], n=1, progress=False)
+    assert again["reward"].tolist() == [1.0, 0.0] and all(t.tool_errors == 0 for t in again.trajectories)
 
 
 def test_reward_lands_on_last_policy_token_even_when_mask0_tokens_follow():
@@ -192,7 +195,7 @@ def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, 
         batch = rollout(eng, env, [{"prompt": q, "ground_truth": "1"} for q in questions], n=2,
                         seed=seed, progress=False)
     finally:
-        asyncio.run(base.close())
+        run_sync(base.close())
     trajs = batch.trajectories
     assert len(trajs) == 8
     assert sum(t.num_turns >= 2 for t in trajs) >= 6  # the tool paths ran with real sampling after them
