@@ -1,0 +1,263 @@
+"""A verl agent loop that runs agent_env's multi-turn tool episode.
+
+verl 0.9.1's ``AgentLoopWorker`` builds one agent loop per sample with
+``hydra.utils.instantiate(<entry of the agent-loop YAML>, trainer_config=..., server_manager=...,
+tokenizer=..., processor=..., dataset_cls=..., data_config=..., tools=...)`` and awaits
+``loop.run(sampling_params, **dataset_fields)``. :class:`OTBToolAgentLoop` does that with
+:meth:`agent_env.AgentEnv.run` (token-in-token-out, our tool-call parsers, our tools, our math
+reward) and verl's server manager behind the :class:`agent_env.engines.base.Engine` protocol
+(:class:`ServerManagerEngine`). It returns verl's ``AgentLoopOutput``: ``prompt_ids``,
+``response_ids`` (assistant turns and inserted tool-response tokens), ``response_mask`` (1 policy /
+0 inserted), ``response_logprobs`` (the server's log-probs at mask = 1, 0.0 elsewhere),
+``reward_score`` (so verl's reward workers are skipped), ``num_turns`` and ``metrics``.
+
+Settings come from verl's config (single source of truth): ``rollout.response_length`` is the
+episode's total response budget R, ``rollout.multi_turn.{format, max_assistant_turns,
+max_parallel_calls, max_tool_response_length, tool_response_truncate_side}`` the episode limits
+(``max_tool_response_length`` counts tokens here, verl's own loop counts characters; verl's
+``left``/``right`` truncation sides mean keep ``tail``/``head``). Our own settings are keyword
+arguments in the agent-loop YAML entry (see ``configs/agent_loop.yaml``): ``otb_tools`` (tool
+names for :func:`tools.get_tool`), ``tool_config`` (keyword config per tool), ``tool_config_path``
+(a verl-style tools YAML for :func:`tools.load_tools`, replaces ``otb_tools``),
+``max_tokens_per_turn``, ``tool_timeout``, ``system_prompt``, ``reward`` (shaping terms of
+:class:`agent_env.reward.RewardConfig`).
+
+Sampling: temperature / top-p / top-k come from verl's ``sampling_params`` (so validation's greedy
+``temperature=0`` works); the episode adds ``max_tokens`` (per-turn cap, within what is left of R)
+and its stop token ids, and always asks the server for log-probs (the Engine contract needs them).
+Rows whose rendered prompt exceeds ``rollout.prompt_length`` are not run: they come back with an
+empty response, reward 0 and ``extra_fields["otb_skipped"] = "prompt_too_long"`` (nothing is
+trained on them), instead of verl's silent left-truncation of a prompt the policy never saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Mapping, Sequence
+from uuid import uuid4
+
+from otb_tir.verl import require_verl
+
+require_verl()
+
+from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
+    AgentLoopBase,
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    register,
+)
+
+from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E402
+from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
+from agent_env.reward import RewardConfig  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AGENT_NAME", "OTBToolAgentLoop", "ServerManagerEngine", "episode_config_from_verl"]
+
+AGENT_NAME = "otb_tir_agent"
+
+# verl's multi_turn.tool_response_truncate_side names the side that is cut; ours the side kept.
+_TRUNCATE_SIDE = {"left": "tail", "right": "head", "middle": "middle", "head": "head", "tail": "tail"}
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers (hydra passes them through) → plain Python."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+class ServerManagerEngine:
+    """:class:`~agent_env.engines.base.Engine` over verl's server manager (``LLMServerClient``).
+
+    Each call is ``await server_manager.generate(request_id=..., prompt_ids=...,
+    sampling_params={...})`` → verl ``TokenOutput(token_ids, log_probs, stop_reason)``. One
+    ``request_id`` per episode keeps its turns on one server (prefix caching, as verl's loops do).
+    """
+
+    def __init__(self, server_manager: Any, sampling_params: Mapping[str, Any], request_id: str | None = None,
+                 **generate_kwargs: Any) -> None:
+        self.server_manager = server_manager
+        self.base = {k: v for k, v in dict(sampling_params).items() if k not in ("max_tokens", "max_new_tokens")}
+        self.request_id = request_id or uuid4().hex
+        self.generate_kwargs = generate_kwargs
+        self.calls = 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        sp = dict(self.base)
+        sp["logprobs"] = True
+        sp["max_tokens"] = int(params.max_tokens)
+        stop_ids = set(sp.get("stop_token_ids") or []) | set(params.stop_token_ids or [])
+        if stop_ids:
+            sp["stop_token_ids"] = sorted(int(i) for i in stop_ids)
+        if params.stop:
+            sp["stop"] = list(params.stop)
+        self.calls += 1
+        out = await self.server_manager.generate(request_id=self.request_id, prompt_ids=list(prompt_ids),
+                                                 sampling_params=sp, **self.generate_kwargs)
+        ids = [int(t) for t in out.token_ids]
+        stop_reason = getattr(out, "stop_reason", None)
+        if stop_reason == "aborted":
+            return GenerationOutput(token_ids=[], logprobs=[], finish_reason="abort")
+        logprobs = out.log_probs
+        if logprobs is None or len(logprobs) != len(ids):
+            raise EngineError(
+                f"the verl server returned {len(ids)} tokens but "
+                f"{'no' if logprobs is None else len(logprobs)} log-probs although logprobs were requested")
+        if ids and ids[-1] in stop_ids:
+            finish = "stop"
+        elif len(ids) >= params.max_tokens:
+            finish = "length"
+        else:
+            finish = "stop"  # an eos id of the model or a stop string
+        return GenerationOutput(token_ids=ids, logprobs=[float(x) for x in logprobs], finish_reason=finish)
+
+    async def update_weights(self, named_tensors: Any) -> None:
+        raise EngineError("weights of verl's rollout servers are synchronized by verl's trainer, not by the episode")
+
+    async def close(self) -> None:
+        return None
+
+
+def episode_config_from_verl(rollout_config: Any, *, max_tokens_per_turn: int | None = None,
+                             tool_timeout: float | None = 10.0, system_prompt: str | None = None,
+                             reward: Mapping[str, Any] | None = None, tools: Sequence[str] = (),
+                             chat_template_kwargs: Mapping[str, Any] | None = None) -> EpisodeConfig:
+    """The :class:`EpisodeConfig` that verl's ``actor_rollout_ref.rollout`` section describes."""
+    mt = rollout_config.multi_turn
+    R = int(rollout_config.response_length)
+    side = _TRUNCATE_SIDE.get(str(mt.tool_response_truncate_side))
+    if side is None:
+        raise EnvError(f"rollout.multi_turn.tool_response_truncate_side={mt.tool_response_truncate_side!r}: "
+                       f"expected one of {sorted(_TRUNCATE_SIDE)}")
+    if mt.format not in ("hermes", "code_block"):
+        raise EnvError(f"rollout.multi_turn.format={mt.format!r} is not supported by {AGENT_NAME}: "
+                       "use hermes or code_block")
+    cfg = EpisodeConfig(
+        parser=mt.format,
+        tools=list(tools),
+        max_assistant_turns=int(mt.max_assistant_turns or 8),
+        max_response_tokens=R,
+        max_tokens_per_turn=min(int(max_tokens_per_turn or R), R),
+        max_tool_response_tokens=int(mt.max_tool_response_length),
+        tool_response_truncate_side=side,
+        max_parallel_calls=int(mt.max_parallel_calls),
+        tool_timeout=tool_timeout,
+        # Placeholder: ServerManagerEngine samples with verl's temperature/top-p/top-k.
+        temperature=1.0,
+        system_prompt=system_prompt,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        reward=RewardConfig(**dict(reward or {})),
+    )
+    cfg.validate()
+    return cfg
+
+
+# One AgentEnv (and one set of tools: sandbox worker pools) per process, event loop and settings:
+# verl builds an agent loop object per sample, so nothing heavy may live on the instance.
+_ENVS: dict[tuple, AgentEnv] = {}
+
+
+def _build_tools(names: Sequence[str], tool_config: Mapping[str, Any], tool_config_path: str | None) -> dict:
+    import tools as tools_pkg
+
+    if tool_config_path:
+        built = tools_pkg.load_tools(tool_config_path)
+    else:
+        unknown = sorted(set(tool_config) - set(names))
+        if unknown:
+            raise EnvError(f"tool_config names tools {unknown} that are not in otb_tools={list(names)}")
+        built = [tools_pkg.get_tool(name, **dict(tool_config.get(name, {}))) for name in names]
+    return {t.name: t for t in built}
+
+
+@register(AGENT_NAME)
+class OTBToolAgentLoop(AgentLoopBase):
+    """agent_env's episode as a verl agent loop (see the module docstring for the settings)."""
+
+    def __init__(self, *args: Any, tools: Any = None, otb_tools: Sequence[str] | None = None,
+                 tool_config: Mapping[str, Any] | None = None, tool_config_path: str | None = None,
+                 max_tokens_per_turn: int | None = None, tool_timeout: float | None = 10.0,
+                 system_prompt: str | None = None, reward: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        verl_tools = getattr(tools, "tools", None) or []
+        if verl_tools:
+            logger.warning("%s ignores verl's own tools (%s) from rollout.multi_turn.tool_config_path; "
+                           "list ours with otb_tools / tool_config_path in the agent-loop YAML", AGENT_NAME,
+                           [getattr(t, "name", t) for t in verl_tools])
+        self.otb_tool_names = list(_plain(otb_tools) if otb_tools is not None else ["python", "calculator"])
+        self.otb_tool_config = dict(_plain(tool_config) or {})
+        self.otb_tool_config_path = tool_config_path
+        self.episode_config = episode_config_from_verl(
+            self.rollout_config, max_tokens_per_turn=max_tokens_per_turn, tool_timeout=tool_timeout,
+            system_prompt=system_prompt, reward=_plain(reward), tools=self.otb_tool_names,
+            chat_template_kwargs=_plain(self.apply_chat_template_kwargs))
+        self.prompt_length = int(self.rollout_config.prompt_length)
+        self.response_length = int(self.rollout_config.response_length)
+
+    def _env(self) -> AgentEnv:
+        key = (id(asyncio.get_running_loop()), id(self.tokenizer),
+               json.dumps([self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path], sort_keys=True,
+                          default=str),
+               repr(self.episode_config))
+        env = _ENVS.get(key)
+        if env is None:
+            tools = _build_tools(self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path)
+            env = AgentEnv(self.tokenizer, tools=tools, config=self.episode_config)
+            _ENVS[key] = env
+        return env
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        raw_prompt = kwargs.get("raw_prompt")
+        if raw_prompt is None:
+            raise EnvError(f"{AGENT_NAME} needs the dataset field 'raw_prompt' (verl's data.return_raw_chat=True)")
+        messages = [dict(m) for m in raw_prompt]
+        reward_model = kwargs.get("reward_model") or {}
+        ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+        env = self._env()
+        want_logprobs = bool(sampling_params.get("logprobs", False))
+
+        prompt_ids = env.encode(env.render(env.initial_messages(messages), add_generation_prompt=True))
+        if len(prompt_ids) > self.prompt_length:
+            logger.warning("prompt of %d tokens exceeds rollout.prompt_length=%d: episode skipped (empty response)",
+                           len(prompt_ids), self.prompt_length)
+            return AgentLoopOutput(
+                prompt_ids=prompt_ids[-self.prompt_length:], response_ids=[], response_mask=[],
+                response_logprobs=[] if want_logprobs else None, reward_score=0.0, num_turns=1,
+                metrics=AgentLoopMetrics(),
+                extra_fields={"turn_scores": [], "tool_rewards": [], "otb_skipped": "prompt_too_long",
+                              "reward_extra_info": _reward_extra_info(None)})
+
+        engine = ServerManagerEngine(self.server_manager, sampling_params)
+        uid = kwargs.get("uid")
+        traj = await env.run(engine, messages, uid=None if uid is None else str(uid), ground_truth=ground_truth)
+        tool_rounds = sum(1 for t in traj.turns if t.obs_end > t.obs_start)
+        return AgentLoopOutput(
+            prompt_ids=list(traj.prompt_ids),
+            response_ids=list(traj.response_ids),
+            response_mask=list(traj.response_mask),
+            response_logprobs=list(traj.rollout_logprobs) if want_logprobs else None,
+            reward_score=float(traj.reward),
+            num_turns=1 + traj.num_turns + tool_rounds,  # verl counts user + assistant + tool turns
+            metrics=AgentLoopMetrics(generate_sequences=traj.timings.get("generate_s", 0.0),
+                                     tool_calls=traj.timings.get("tools_s", 0.0),
+                                     compute_score=traj.timings.get("reward_s", 0.0)),
+            extra_fields={"turn_scores": [], "tool_rewards": [], "otb_finish_reason": traj.finish_reason,
+                          "otb_template_mismatch": traj.template_mismatch,
+                          "reward_extra_info": _reward_extra_info(traj)},
+        )
+
+
+def _reward_extra_info(traj: Trajectory | None) -> dict[str, float]:
+    """Per-trajectory figures verl logs next to the reward (same keys for every row)."""
+    if traj is None:
+        return {"acc": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "malformed_calls": 0.0, "void_turns": 0.0,
+                "assistant_turns": 0.0}
+    return {"acc": float(bool(traj.reward_details.get("correct", False))),
+            "tool_calls": float(traj.num_tool_calls), "tool_errors": float(traj.tool_errors),
+            "malformed_calls": float(traj.malformed_calls), "void_turns": float(traj.void_turns),
+            "assistant_turns": float(traj.num_turns)}

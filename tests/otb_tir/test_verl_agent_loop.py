@@ -1,0 +1,225 @@
+"""The OTB agent loop under verl 0.9.1's own AgentLoopWorker, on CPU, without Ray or GPUs.
+
+verl's ``AgentLoopWorker`` is built in-process from the config ``compose_verl_config`` writes (it
+reads our agent-loop YAML, instantiates ``OTBToolAgentLoop`` per sample with hydra, pads and
+collates). The server manager is a stand-in with the same ``generate(request_id, *, prompt_ids,
+sampling_params, ...)`` → ``TokenOutput`` signature as verl's ``LLMServerClient``, backed by a
+real ``HFEngine`` on the tiny Qwen3 policy; every other episode is scripted (a calculator call,
+then the answer it returned) so tool tokens and a correct reward occur for sure, with log-probs
+teacher-forced by the same model. The python and calculator tools are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+
+@pytest.fixture(scope="module")
+def verl_setup(tiny_model_dir, tmp_path_factory):
+    from otb_tir.trainer.config import load_config
+    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+
+    out = tmp_path_factory.mktemp("verl_run")
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", "trainer=verl", "rollout.name=vllm", f"trainer.output_dir={out}",
+        "data.train_size=6", "data.val_size=2", "rollout.n=2", "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2", "rollout.response_length=160", "rollout.max_tokens_per_turn=40",
+        "multi_turn.max_assistant_turns=3", "trainer.n_gpus_per_node=1",
+        "multi_turn.tool_timeout=120"])  # generous: a loaded CI machine starts sympy slowly
+    vcfg = compose_verl_config(cfg)
+    validate_verl_config(vcfg)
+    return cfg, vcfg
+
+
+class HFServerManager:
+    """Stand-in for verl's LLMServerClient: same ``generate`` signature, HFEngine behind it."""
+
+    def __init__(self, model_dir: Path, tokenizer, questions: dict[str, str]):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.questions = questions  # question text → calculator expression
+        self.engine = None
+        self.order: list[str] = []  # request ids in first-seen order
+        self.outputs: dict[str, list] = {}  # request id → TokenOutputs
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def scripted(self, request_id: str) -> bool:
+        return self.order.index(request_id) % 2 == 0
+
+    @torch.no_grad()
+    def _teacher_forced(self, prompt_ids, ids, temperature):
+        seq = torch.tensor([prompt_ids + ids])
+        logits = self.model(seq).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+    def _script(self, prompt_ids: list[int]) -> list[int]:
+        text = self.tokenizer.decode(prompt_ids)
+        results = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", text, flags=re.S)
+        if results:
+            reply = f"The answer is \\boxed{{{results[-1].strip()}}}."
+        else:
+            expr = next(e for q, e in self.questions.items() if q in text)
+            reply = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expr
+        return self.tokenizer.encode(reply, add_special_tokens=False) + [self.im_end]
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from agent_env.engines import HFEngine, SamplingParams
+        from verl.workers.rollout.replica import TokenOutput
+
+        if self.engine is None:
+            self.engine = HFEngine(self.model_dir, max_batch_size=8, seed=0)
+        if request_id not in self.outputs:
+            self.order.append(request_id)
+            self.outputs[request_id] = []
+        sp = dict(sampling_params)
+        assert sp["logprobs"] is True and sp["max_tokens"] >= 1 and self.im_end in sp["stop_token_ids"]
+        if self.scripted(request_id):
+            ids = self._script(list(prompt_ids))[: sp["max_tokens"]]
+            logprobs = self._teacher_forced(list(prompt_ids), ids, sp["temperature"])
+        else:
+            out = await self.engine.generate(list(prompt_ids), SamplingParams(
+                max_tokens=sp["max_tokens"], temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
+                stop_token_ids=list(sp["stop_token_ids"])))
+            ids, logprobs = list(out.token_ids), list(out.logprobs)
+        res = TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="completed")
+        self.outputs[request_id].append(res)
+        return res
+
+
+def _gen_batch(vcfg, tokenizer, n_prompts: int, n: int):
+    """The batch verl's trainer hands to the agent loop manager: RLHFDataset rows, repeated n times."""
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.utils import create_rl_dataset
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    ds = create_rl_dataset(vcfg.data.train_files, vcfg.data, tokenizer, None, is_train=True)
+    rows = [ds[i] for i in range(n_prompts)]
+    batch = DataProto.from_single_dict(collate_fn(rows))
+    batch.non_tensor_batch["uid"] = np.array([f"uid{i}" for i in range(n_prompts)], dtype=object)
+    return batch.repeat(repeat_times=n, interleave=True), rows
+
+
+def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model_dir, tiny_tokenizer):
+    from agent_env.data import load_parquet
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+
+    cfg, vcfg = verl_setup
+    n_prompts, n = 2, 2
+    items = load_parquet(vcfg.data.train_files[0])
+    questions = {it["extra_info"]["question"]: it["extra_info"]["expression"] for it in items}
+    manager = HFServerManager(tiny_model_dir, tiny_tokenizer, questions)
+
+    async def go():
+        worker = AgentLoopWorker(vcfg, llm_client=manager)
+        batch, rows = _gen_batch(vcfg, worker.tokenizer, n_prompts, n)
+        assert list(batch.non_tensor_batch["agent_name"]) == ["tool_agent"] * (n_prompts * n)
+        out = await worker.generate_sequences(batch)
+        return worker, out
+
+    worker, out = asyncio.run(go())
+    # verl's worker resolved both names of our YAML to our class
+    for name in ("otb_tir_agent", "tool_agent"):
+        assert _agent_loop_registry[name]["_target_"] == "otb_tir.verl.agent_loop.OTBToolAgentLoop"
+
+    P, R = vcfg.actor_rollout_ref.rollout.prompt_length, vcfg.actor_rollout_ref.rollout.response_length
+    b = out.batch
+    B = n_prompts * n
+    assert b["prompts"].shape == (B, P) and b["responses"].shape == (B, R)
+    assert b["input_ids"].shape == (B, P + R) and b["rollout_log_probs"].shape == (B, R)
+    mask, resp, lp = b["response_mask"], b["responses"], b["rollout_log_probs"]
+    resp_len = b["attention_mask"][:, P:].sum(-1)
+
+    # 1. mask = 1 tokens are exactly what the server sampled, in order, with its log-probs
+    sampled = Counter()
+    sampled_lp = {}
+    for rid, outs in manager.outputs.items():
+        key = tuple(t for o in outs for t in o.token_ids)
+        sampled[key] += 1
+        sampled_lp[key] = [x for o in outs for x in o.log_probs]
+    got = Counter()
+    for i in range(B):
+        m = mask[i].bool()
+        key = tuple(resp[i][m].tolist())
+        got[key] += 1
+        assert lp[i][m].tolist() == pytest.approx(sampled_lp[key], abs=1e-6)
+        assert torch.all(lp[i][~m] == 0)
+        assert torch.all(mask[i, resp_len[i]:] == 0)
+    assert got == sampled
+    assert len(manager.order) == B
+
+    # 2. lengths: within verl's prompt/response budgets; mask only on real tokens
+    assert int(resp_len.max()) <= R and int(b["attention_mask"][:, :P].sum(-1).max()) <= P
+
+    # 3. tool tokens: scripted episodes called the calculator; its result is in mask-0 tokens and the
+    #    answer built from it earns reward 1 (rm_scores on the last response token)
+    scripted_rows = 0
+    rm = b["rm_scores"]
+    for i in range(B):
+        m = mask[i].bool()
+        valid = torch.arange(R) < resp_len[i]
+        inserted = resp[i][valid & ~m]
+        assert torch.count_nonzero(rm[i]) <= 1 and (rm[i].sum() == 0 or rm[i, resp_len[i] - 1] != 0)
+        if inserted.numel():
+            text = tiny_tokenizer.decode(inserted.tolist())
+            assert "<tool_response>" in text
+            scripted_rows += 1
+            assert float(rm[i, resp_len[i] - 1]) == 1.0, tiny_tokenizer.decode(resp[i][valid].tolist())
+            assert out.non_tensor_batch["acc"][i] == 1.0
+            assert out.non_tensor_batch["tool_calls"][i] == 1.0
+            assert out.non_tensor_batch["__num_turns__"][i] == 4  # user, assistant, tool, assistant
+    assert scripted_rows == B // 2
+
+    # 4. the layout verl trains on: recomputing log-probs with the same model over verl's padded
+    #    input_ids/attention_mask/position_ids reproduces the rollout log-probs at every mask = 1 token
+    with torch.no_grad():
+        logits = manager.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                               position_ids=b["position_ids"]).logits[:, P - 1:-1].float()
+    recomputed = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+    m = mask.bool()
+    assert torch.allclose(recomputed[m], lp[m], atol=2e-4), (recomputed[m] - lp[m]).abs().max()
+
+
+def test_server_manager_engine_contract():
+    """Finish reasons, abort, and a server that drops log-probs."""
+    from agent_env.engines.base import EngineError, SamplingParams
+    from otb_tir.verl.agent_loop import ServerManagerEngine
+    from verl.workers.rollout.replica import TokenOutput
+
+    class Fake:
+        def __init__(self, out):
+            self.out, self.seen = out, None
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            self.seen = (request_id, list(prompt_ids), dict(sampling_params))
+            return self.out
+
+    params = SamplingParams(max_tokens=3, stop_token_ids=[9], temperature=0.5)
+    base = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
+    cases = [(TokenOutput(token_ids=[1, 9], log_probs=[-1.0, -2.0], stop_reason="completed"), "stop"),
+             (TokenOutput(token_ids=[1, 2, 3], log_probs=[-1.0] * 3, stop_reason="completed"), "length"),
+             (TokenOutput(token_ids=[1, 2, 9], log_probs=[-1.0] * 3, stop_reason="completed"), "stop"),
+             (TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"), "abort")]
+    for token_out, finish in cases:
+        fake = Fake(token_out)
+        eng = ServerManagerEngine(fake, base, request_id="r1")
+        res = asyncio.run(eng.generate([5, 6], params))
+        assert res.finish_reason == finish
+        rid, prompt, sp = fake.seen
+        # verl's sampling settings win (greedy validation), the episode adds its cap and stop ids
+        assert rid == "r1" and prompt == [5, 6] and sp["temperature"] == 0.0 and sp["max_tokens"] == 3
+        assert sp["stop_token_ids"] == [9] and sp["logprobs"] is True
+    with pytest.raises(EngineError, match="log-probs"):
+        asyncio.run(ServerManagerEngine(Fake(TokenOutput(token_ids=[1], log_probs=None)), base)
+                    .generate([5], params))
