@@ -200,13 +200,15 @@ def _returns_and_weights(
         rho = rollout_is_weights.to(dtype)
         weights.mul_(torch.mul(rho, rho, out=scratch))
     weights.mul_(maskf).cumsum_(-1).mul_(maskf)
-    # G_t = Σ_{j≥t} r_j·mask_j = S − Σ_{j<t} r_j·mask_j with S the row total (the last prefix sum):
-    # one forward cumulative sum, no reversed copies. Exact whenever the partial sums are (e.g. one
-    # outcome reward per row); otherwise within a few float ulps of |S| of verl's reversed sum.
+    # G_t = Σ_{j≥t} r_j·mask_j: a cumulative sum over reversed columns, in verl's summation order
+    # (bit-identical returns). The reversals are index_selects into existing buffers; torch.flip
+    # would allocate. (S − prefix sum would save two passes but drifts by ulps of |S| on dense rewards.)
     returns = torch.mul(token_level_rewards.to(dtype), maskf)
-    torch.cumsum(returns, -1, out=scratch)
     if resp:
-        returns.sub_(scratch).add_(scratch[:, -1:])
+        reverse = torch.arange(resp - 1, -1, -1, device=maskf.device)
+        torch.index_select(returns, 1, reverse, out=scratch)
+        scratch.cumsum_(-1)
+        torch.index_select(scratch, 1, reverse, out=returns)
     return returns, weights, scratch
 
 
@@ -225,6 +227,11 @@ def _zero_tail_start(lengths: torch.Tensor, group: torch.Tensor, n_groups: int, 
     runner_up.scatter_reduce_(0, group, torch.where(is_longest, -1, lengths), reduce="amax")
     unique_tail = is_longest & (n_longest[group] == 1) & (members[group] >= 2)
     return torch.where(unique_tail, runner_up[group].clamp_min(0), -1)
+
+
+def _log_ignored(name: str, kwargs: dict[str, Any]) -> None:
+    if kwargs:
+        logger.debug("%s: ignoring keyword arguments %s", name, sorted(kwargs))
 
 
 def _empty(token_level_rewards: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,6 +273,7 @@ def optimal_token_baseline(
     when every row's policy tokens are a prefix). ``norm_adv_by_std_in_grpo`` and extra keyword
     arguments are accepted for a uniform calling convention and ignored.
     """
+    _log_ignored("optimal_token_baseline", kwargs)
     maskf, cdt, out_dt = _prepare(
         token_level_rewards,
         response_mask,
@@ -339,6 +347,7 @@ def tir_optimal_token_baseline(
     ``bincount`` each, and the baselines are gathered straight back into ``[B, R]``.
     ``norm_adv_by_std_in_grpo`` and extra keyword arguments are accepted and ignored.
     """
+    _log_ignored("tir_optimal_token_baseline", kwargs)
     maskf, cdt, out_dt = _prepare(
         token_level_rewards,
         response_mask,
@@ -417,6 +426,7 @@ def grpo(
     uses mean 0 and std 1 (as verl). ``norm_adv_by_std_in_grpo=False`` gives Dr.GRPO (no division).
     Returns ``(advantages, advantages)`` like verl. OTB-only arguments are accepted and ignored.
     """
+    _log_ignored("grpo", kwargs)
     scores, group, members, n_groups, out_dt = _group_scores(token_level_rewards, response_mask, index)
     sums = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(0, group, scores)
     count = members.to(torch.float64)
@@ -449,6 +459,7 @@ def rloo(
     Written as verl does, ``n/(n−1)·(score − group mean)``; a group of one sample keeps its score.
     Returns ``(advantages, advantages)``. OTB/GRPO-only arguments are accepted and ignored.
     """
+    _log_ignored("rloo", kwargs)
     scores, group, members, n_groups, out_dt = _group_scores(token_level_rewards, response_mask, index)
     sums = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(0, group, scores)
     n = members.to(torch.float64)[group]
