@@ -244,7 +244,7 @@ def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, 
     sel = mask & real_positions
     assert sel.sum() > 100
     err = (recomputed[sel] - batch["rollout_log_probs"][sel]).abs().max().item()
-    assert err < 2e-3, err
+    assert err < 1e-4, err  # measured: ~1e-6 (fp32)
     assert torch.equal(batch["rollout_log_probs"][~mask], torch.zeros_like(batch["rollout_log_probs"][~mask]))
 
 
