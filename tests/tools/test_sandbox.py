@@ -365,3 +365,12 @@ def test_stateful_session_across_event_loops() -> None:
     finally:
         asyncio.run(t.close())
     assert not t._sessions
+
+
+def test_unlaunchable_worker_gives_error_results_not_exceptions(loop) -> None:
+    from tools.sandbox import FallbackBackend
+
+    t = PythonTool(backend=FallbackBackend(python="/nonexistent/python3"), workers=1)
+    r = loop.run_until_complete(t.call({"code": "print(1)"}))
+    assert (r.ok, r.error) == (False, ErrorKind.SANDBOX) and "could not be launched" in r.text
+    loop.run_until_complete(t.close())

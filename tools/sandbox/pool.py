@@ -66,10 +66,13 @@ class WorkerProcess:
         self.loop = asyncio.get_running_loop()
         self.cfg = self.backend.worker_config(self.base_cfg)
         cmd = self.backend.command(self.cfg)
-        self.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=None if self.debug else asyncio.subprocess.DEVNULL,
-            env=_minimal_env(), close_fds=True)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=None if self.debug else asyncio.subprocess.DEVNULL,
+                env=_minimal_env(), close_fds=True)
+        except OSError as e:
+            raise WorkerDied(f"{self.name} could not be launched ({cmd[0]}: {e})") from e
         try:
             ready = await asyncio.wait_for(self._read_frame(), START_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
