@@ -120,9 +120,9 @@ class EpisodeConfig:
                 d["reward"] = RewardConfig(**d["reward"])
             except TypeError as e:
                 raise EnvError(f"bad reward config: {e}") from None
-        for key in ("tools", "stop_token_ids"):
+        for key in ("tools", "stop_token_ids", "tool_config", "chat_template_kwargs"):
             if d.get(key) is not None:
-                d[key] = list(d[key])
+                d[key] = _plain(d[key])
         cfg = cls(**d)
         cfg.validate()
         return cfg
@@ -478,9 +478,10 @@ class AgentEnv:
                     break
                 # ---- run the calls (concurrently, capped), then insert their results
                 k0 = time.perf_counter()
+                # noted before the calls run, so sessions are released even if the episode is cancelled
+                used_tools.update(c.name for c in calls if c.ok and c.name in self.tools)
                 records = await asyncio.gather(*(self._run_call(c, session_id, sem, activity) for c in calls))
                 timings["tools_s"] += time.perf_counter() - k0
-                used_tools.update(r.name for r in records if r.executed and r.name)
                 turn.tool_calls = list(records)
                 obs = [{"role": "tool", "content": self.parser.format_observation(r.text)} for r in records]
                 delta_text, mm = self._delta(prompt_ids + resp, messages, obs)
@@ -579,6 +580,15 @@ class AgentEnv:
                     await tool.close()
                 except Exception:  # noqa: BLE001
                     logger.warning("closing tool %r failed", tool, exc_info=True)
+
+
+def _plain(x: Any) -> Any:
+    """Nested mappings / sequences (e.g. OmegaConf containers) as plain dicts and lists."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) or (isinstance(x, Sequence) and not isinstance(x, (str, bytes))):
+        return [_plain(v) for v in x]
+    return x
 
 
 def _describe_mismatch(a: str, b: str) -> str:

@@ -519,3 +519,19 @@ def test_token_bookkeeping_property(tiny_tokenizer):
         check_token_bookkeeping(env, eng, traj)
 
     check()
+
+
+def test_config_from_omegaconf_section():
+    from omegaconf import OmegaConf
+
+    section = OmegaConf.create({"parser": "code_block", "tools": ["python"], "max_assistant_turns": 3,
+                                "tool_config": {"python": {"stateful": True}},
+                                "reward": {"format_bonus": 0.1}})
+    cfg = EpisodeConfig.from_dict(section)
+    assert cfg.parser == "code_block" and cfg.tools == ["python"] and cfg.max_assistant_turns == 3
+    assert cfg.reward.format_bonus == 0.1 and cfg.tool_config == {"python": {"stateful": True}}
+    assert type(cfg.tool_config["python"]) is dict and type(cfg.tools) is list
+    with pytest.raises(EnvError, match="bad reward config"):
+        EpisodeConfig.from_dict({"reward": {"bonus": 1}})
+    with pytest.raises(EnvError, match="unknown tool-call parser"):
+        EpisodeConfig.from_dict({"parser": "xml"})
