@@ -170,6 +170,7 @@ class FirstTurnScripted:
         await self.engine.close()
 
 
+@pytest.mark.slow  # ~10-25 s each on a busy 2-core machine
 @pytest.mark.parametrize("seed", [0, 1])
 def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, tiny_model_dir, real_tools, seed):
     """For every episode: mask=1 tokens are exactly what the real engine sampled (in order, with its
