@@ -248,9 +248,12 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
     for key, value in settings.items():
         _set(v, key, value)
     with open_dict(v):
-        env_vars = v.ray_kwargs.ray_init.runtime_env.setdefault("env_vars", {})
+        runtime_env = v.ray_kwargs.ray_init.runtime_env
+        current = runtime_env.get("env_vars")
+        env_vars = dict(OmegaConf.to_container(current)) if current is not None else {}
         env_vars["TENSORBOARD_DIR"] = str(out / "tensorboard")
         env_vars["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+        runtime_env["env_vars"] = env_vars
     if overrides:
         from omegaconf.errors import OmegaConfBaseException
 

@@ -1,0 +1,163 @@
+"""compose_verl_config / run_verl on CPU: the composed config passes verl's own validation and
+dataclass conversions with our values at verl's keys; run_verl hands it to verl's run_ppo with a
+TaskRunner that installs the plugin first. Ray and training are never started here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+pytest.importorskip("verl")
+
+from otb_tir import ConfigError  # noqa: E402
+
+BASE = ["trainer=verl", "rollout.name=vllm", "data.train_size=12", "data.val_size=4", "rollout.n=4",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
+        "rollout.response_length=2048", "rollout.temperature=0.9", "actor.optim.lr=3e-6",
+        "multi_turn.max_assistant_turns=5", "multi_turn.max_tool_response_length=300",
+        "multi_turn.tool_response_truncate_side=tail", "trainer.n_gpus_per_node=8", "trainer.nnodes=2",
+        "trainer.total_steps=7", "trainer.loggers=[console,jsonl,tensorboard]"]
+
+
+def _cfg(tiny_model_dir, out, *extra):
+    from otb_tir.trainer.config import load_config
+
+    return load_config(None, [*BASE, f"model.path={tiny_model_dir}", f"trainer.output_dir={out}", *extra])
+
+
+@pytest.fixture(scope="module")
+def composed(tiny_model_dir, tmp_path_factory):
+    from otb_tir.verl.launch import compose_verl_config
+
+    out = tmp_path_factory.mktemp("verl_launch")
+    cfg = _cfg(tiny_model_dir, out)
+    return cfg, compose_verl_config(cfg), out
+
+
+def test_composed_config_passes_verls_validation_and_dataclasses(composed):
+    from verl.trainer.config import AlgoConfig
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import FSDPActorConfig, HFModelConfig, RolloutConfig
+    from otb_tir.verl.launch import validate_verl_config
+
+    cfg, v, out = composed
+    validate_verl_config(v)  # verl's validate_config, incl. FSDPActorConfig.validate(n_gpus, batch, model)
+    actor = omega_conf_to_dataclass(v.actor_rollout_ref.actor)
+    rollout = omega_conf_to_dataclass(v.actor_rollout_ref.rollout)
+    model = omega_conf_to_dataclass(v.actor_rollout_ref.model)
+    algo = omega_conf_to_dataclass(v.algorithm)
+    assert isinstance(actor, FSDPActorConfig) and isinstance(rollout, RolloutConfig)
+    assert isinstance(model, HFModelConfig) and isinstance(algo, AlgoConfig)
+    # the OTB recipe
+    assert algo.adv_estimator == "tir_optimal_token_baseline"
+    assert actor.calculate_sum_pi_squared is True and actor.use_fused_kernels is False
+    assert model.use_fused_kernels is False and model.path == str(Path(cfg.model.path).resolve())
+    assert v.trainer.use_v1 is False  # v1 never passes sum_pi_squared to the estimator
+    assert v.critic.enable is False
+    # rollout / multi-turn
+    assert rollout.name == "vllm" and rollout.mode == "async" and rollout.n == 4 and rollout.temperature == 0.9
+    assert rollout.response_length == 2048 and rollout.prompt_length == v.data.max_prompt_length
+    assert rollout.calculate_log_probs is True
+    mt = rollout.multi_turn
+    assert mt.enable and mt.max_assistant_turns == 5 and mt.max_tool_response_length == 300
+    assert mt.format == "hermes" and mt.tool_response_truncate_side == "tail"
+    assert rollout.agent.default_agent_loop == "otb_tir_agent"
+    entries = OmegaConf.load(rollout.agent.agent_loop_config_path)
+    assert {e.name for e in entries} == {"otb_tir_agent", "tool_agent"}
+    for e in entries:
+        assert e._target_ == "otb_tir.verl.agent_loop.OTBToolAgentLoop"
+        assert list(e.otb_tools) == ["python", "calculator"] and e.max_tokens_per_turn == cfg.rollout.max_tokens_per_turn
+    # optimizer and batch sizes
+    assert actor.optim.lr == 3e-6 and list(actor.optim.betas) == list(cfg.actor.optim.betas)
+    assert v.actor_rollout_ref.actor.ppo_mini_batch_size == 2 and v.data.train_batch_size == 4
+    assert v.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+    assert v.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 4
+    # data: the built-in splits as parquet under the run folder
+    from agent_env.data import load_parquet
+
+    assert len(load_parquet(v.data.train_files[0])) == 12 and len(load_parquet(v.data.val_files[0])) == 4
+    assert all(Path(p).parent == out / "data" for p in [*v.data.train_files, *v.data.val_files])
+    # trainer
+    assert v.trainer.n_gpus_per_node == 8 and v.trainer.nnodes == 2 and v.trainer.total_training_steps == 7
+    assert v.trainer.default_local_dir == str(out / "checkpoints")
+    assert list(v.trainer.logger) == ["console", "file", "tensorboard"]
+    env = v.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.TENSORBOARD_DIR == str(out / "tensorboard") and env.VERL_FILE_LOGGER_PATH == str(out / "metrics.jsonl")
+    assert Path(v.reward.custom_reward_function.path).is_file()
+
+
+def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
+    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+
+    # 3 prompts × 4 samples = 12 trajectories cannot be split over 16 GPUs
+    v = compose_verl_config(_cfg(tiny_model_dir, tmp_path, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"))
+    with pytest.raises(ConfigError, match="verl rejected"):
+        validate_verl_config(v)
+
+
+def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
+    from otb_tir.verl.launch import compose_verl_config
+
+    v = compose_verl_config(_cfg(tiny_model_dir, tmp_path, "algorithm.adv_estimator=grpo", "algorithm.rollout_is=true"),
+                            overrides=["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "+my.new_key=3"])
+    assert v.actor_rollout_ref.rollout.tensor_model_parallel_size == 2 and v.my.new_key == 3
+    assert v.algorithm.adv_estimator == "grpo" and v.actor_rollout_ref.actor.calculate_sum_pi_squared is False
+    assert v.algorithm.rollout_correction.rollout_is == "token"
+    with pytest.raises(ConfigError, match="no config key 'actor_rollout_ref.rollout.tensor_parallel'"):
+        compose_verl_config(_cfg(tiny_model_dir, tmp_path), overrides=["actor_rollout_ref.rollout.tensor_parallel=2"])
+    for extra, match in [("rollout.name=hf", "vllm or sglang"),
+                         ("algorithm.handle_zero_tail=false", "handle_zero_tail"),
+                         ("algorithm.filter.overlong=true", "filter.overlong"),
+                         ("data.train_files=[/nonexistent.parquet]", "not found")]:
+        with pytest.raises(ConfigError, match=match):
+            compose_verl_config(_cfg(tiny_model_dir, tmp_path, extra))
+
+
+def test_task_runner_installs_the_plugin_before_verls_run(composed, monkeypatch):
+    from otb_tir.verl import plugin
+    from otb_tir.verl.task_runner import OTBTaskRunner, OTBTaskRunnerImpl, _VerlTaskRunner
+
+    assert OTBTaskRunner.__ray_actor_class__ is OTBTaskRunnerImpl and issubclass(OTBTaskRunnerImpl, _VerlTaskRunner)
+    plugin.uninstall()
+    assert not plugin.installed()
+    seen = {}
+
+    def fake_run(self, config):
+        seen["installed"] = plugin.installed()
+        seen["config"] = config
+
+    monkeypatch.setattr(_VerlTaskRunner, "run", fake_run)
+    OTBTaskRunnerImpl().run("cfg")
+    assert seen == {"installed": True, "config": "cfg"}
+    plugin.uninstall()
+
+
+def test_run_verl_and_the_recipe_call_run_ppo_with_our_task_runner(tiny_model_dir, tmp_path, monkeypatch):
+    import verl.trainer.main_ppo as main_ppo
+    from otb_tir.verl.task_runner import OTBTaskRunner
+
+    calls = []
+    monkeypatch.setattr(main_ppo, "run_ppo", lambda config, task_runner_class: calls.append((config, task_runner_class)))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+    try:
+        import train_tir_math
+    finally:
+        sys.path.pop(0)
+    rc = train_tir_math.main([*BASE, f"trainer.output_dir={tmp_path}", "--model", str(tiny_model_dir)])
+    assert rc == 0 and len(calls) == 1
+    config, runner = calls[0]
+    assert runner is OTBTaskRunner
+    assert config.algorithm.adv_estimator == "tir_optimal_token_baseline"
+    saved = OmegaConf.load(tmp_path / "verl_config.yaml")
+    assert saved.actor_rollout_ref.actor.calculate_sum_pi_squared is True
+
+
+def test_missing_verl_gives_one_clear_error(monkeypatch):
+    from otb_tir.verl import require_verl
+
+    monkeypatch.setitem(sys.modules, "verl", None)
+    with pytest.raises(ConfigError, match=r"pip install 'otb-tir\[verl\]'"):
+        require_verl()
