@@ -212,6 +212,18 @@ def _returns_and_weights(
     return returns, weights, scratch
 
 
+def _contiguous_group_size(group: torch.Tensor, n_groups: int, members: torch.Tensor) -> int:
+    """``n`` if the rows form blocks of ``n`` adjacent rows, one whole group per block; else 0."""
+    batch = group.shape[0]
+    if batch == 0:
+        return 0
+    size = int(members[group[0]])
+    if batch % size or n_groups * size != batch:
+        return 0
+    blocks = group.view(-1, size)
+    return size if bool((blocks == blocks[:, :1]).all()) else 0
+
+
 def _zero_tail_start(lengths: torch.Tensor, group: torch.Tensor, n_groups: int, members: torch.Tensor) -> torch.Tensor:
     """Per row: first position whose baseline ``handle_zero_tail`` zeroes, or -1 for none.
 
@@ -288,28 +300,41 @@ def optimal_token_baseline(
     returns, weights, scratch = _returns_and_weights(
         token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, cdt
     )
-    # Per group and column: B* = Σ G·W / (Σ W + ε); groups of one sample get 0. Group sums by
-    # bincount on keys group·R + column, written into the scratch buffer (no new [B, R] tensor):
-    # on CPU this is several times faster than index_add_ over rows.
+    # Per group and column: B* = Σ G·W / (Σ W + ε); groups of one sample get 0.
     members = torch.bincount(group, minlength=n_groups)
-    n_keys = n_groups * resp
-    key_dtype = torch.int32 if cdt == torch.float32 else torch.int64
-    if n_keys > torch.iinfo(key_dtype).max:
-        keys = torch.empty((batch, resp), dtype=torch.int64, device=device)
+    block = _contiguous_group_size(group, n_groups, members)
+    if block:
+        # Fast path (verl's interleaved repeat): each group is one block of `block` adjacent rows,
+        # so the group sums are a plain reduction over a view, with no keys at all.
+        n_blocks = batch // block
+        den = weights.view(n_blocks, block, resp).sum(dim=1)
+        num = weights.mul_(returns).view(n_blocks, block, resp).sum(dim=1)
+        table = num.div_(den.add_(epsilon))
+        row_table = torch.arange(batch, device=device) // block
+        if block < 2:
+            table.zero_()
     else:
-        keys = scratch.view(key_dtype)
-    torch.add(
-        torch.arange(resp, dtype=keys.dtype, device=device).unsqueeze(0),
-        (group * resp).to(keys.dtype).unsqueeze(1),
-        out=keys,
-    )
-    keys = keys.view(-1)
-    den = torch.bincount(keys, weights=weights.view(-1), minlength=n_keys)
-    num = torch.bincount(keys, weights=weights.mul_(returns).view(-1), minlength=n_keys)
-    table = num.div_(den.add_(epsilon)).view(n_groups, resp).to(cdt)
-    table.masked_fill_((members < 2).unsqueeze(1), 0.0)
+        # General path: bincount on keys group·R + column, written into the scratch buffer (no new
+        # [B, R] tensor); on CPU several times faster than index_add_ over rows.
+        n_keys = n_groups * resp
+        key_dtype = torch.int32 if cdt == torch.float32 else torch.int64
+        if n_keys > torch.iinfo(key_dtype).max:
+            keys = torch.empty((batch, resp), dtype=torch.int64, device=device)
+        else:
+            keys = scratch.view(key_dtype)
+        torch.add(
+            torch.arange(resp, dtype=keys.dtype, device=device).unsqueeze(0),
+            (group * resp).to(keys.dtype).unsqueeze(1),
+            out=keys,
+        )
+        keys = keys.view(-1)
+        den = torch.bincount(keys, weights=weights.view(-1), minlength=n_keys)
+        num = torch.bincount(keys, weights=weights.mul_(returns).view(-1), minlength=n_keys)
+        table = num.div_(den.add_(epsilon)).view(n_groups, resp).to(cdt)
+        table.masked_fill_((members < 2).unsqueeze(1), 0.0)
+        row_table = group
     # The weights buffer is free now: gather each row's baselines into it.
-    baselines = torch.index_select(table, 0, group, out=weights)
+    baselines = torch.index_select(table, 0, row_table, out=weights)
     if handle_zero_tail and batch:
         start = _zero_tail_start(maskf.sum(-1), group, n_groups, members)
         rows = (start >= 0).nonzero().squeeze(1)  # at most one row per group

@@ -47,10 +47,13 @@ def batches(draw, dense_rewards: bool = True):
     reward_mode = draw(st.sampled_from(["last_policy", "last_token", "random_tokens"] if dense_rewards else ["last_policy", "last_token"]))
     rng = np.random.default_rng(seed)
 
+    blocks = draw(st.booleans())  # verl's layout: equal groups of adjacent rows (the estimators' fast path)
+    if blocks:
+        sizes = [sizes[0]] * n_groups
     batch = sum(sizes)
-    group_of_row = np.repeat(np.arange(n_groups), sizes)
-    perm = rng.permutation(batch)  # rows of one group are not adjacent
-    group_of_row = group_of_row[perm]
+    group_of_row = np.repeat(rng.permutation(n_groups), sizes)
+    if not blocks:
+        group_of_row = group_of_row[rng.permutation(batch)]  # rows of one group are not adjacent
 
     lengths = rng.integers(0, resp + 1, size=batch)
     lengths[rng.random(batch) < empty_rate] = 0
