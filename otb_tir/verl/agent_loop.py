@@ -56,7 +56,7 @@ from agent_env.reward import RewardConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AGENT_NAME", "OTBToolAgentLoop", "ServerManagerEngine", "episode_config_from_verl"]
+__all__ = ["AGENT_NAME", "OTBToolAgentLoop", "ServerManagerEngine", "close_cached_tools", "episode_config_from_verl"]
 
 AGENT_NAME = "otb_tir_agent"
 
@@ -160,6 +160,18 @@ def episode_config_from_verl(rollout_config: Any, *, max_tokens_per_turn: int | 
 # One AgentEnv (and one set of tools: sandbox worker pools) per process, event loop and settings:
 # verl builds an agent loop object per sample, so nothing heavy may live on the instance.
 _ENVS: dict[tuple, AgentEnv] = {}
+
+
+async def close_cached_tools() -> None:
+    """Close the tools the agent loops of this event loop created (e.g. at the end of a worker)."""
+    loop_id = id(asyncio.get_running_loop())
+    for key in [k for k in _ENVS if k[0] == loop_id]:
+        env = _ENVS.pop(key)
+        for tool in env.tools.values():
+            try:
+                await tool.close()
+            except Exception:  # noqa: BLE001
+                logger.warning("closing tool %r failed", tool, exc_info=True)
 
 
 def _build_tools(names: Sequence[str], tool_config: Mapping[str, Any], tool_config_path: str | None) -> dict:

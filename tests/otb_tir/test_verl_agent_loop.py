@@ -113,6 +113,7 @@ def _gen_batch(vcfg, tokenizer, n_prompts: int, n: int):
 
 def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model_dir, tiny_tokenizer):
     from agent_env.data import load_parquet
+    from otb_tir.verl.agent_loop import close_cached_tools
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 
     cfg, vcfg = verl_setup
@@ -125,7 +126,12 @@ def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model
         worker = AgentLoopWorker(vcfg, llm_client=manager)
         batch, rows = _gen_batch(vcfg, worker.tokenizer, n_prompts, n)
         assert list(batch.non_tensor_batch["agent_name"]) == ["tool_agent"] * (n_prompts * n)
-        out = await worker.generate_sequences(batch)
+        try:
+            out = await worker.generate_sequences(batch)
+        finally:
+            await close_cached_tools()
+            if manager.engine is not None:
+                await manager.engine.close()
         return worker, out
 
     worker, out = asyncio.run(go())
@@ -223,3 +229,29 @@ def test_server_manager_engine_contract():
     with pytest.raises(EngineError, match="log-probs"):
         asyncio.run(ServerManagerEngine(Fake(TokenOutput(token_ids=[1], log_probs=None)), base)
                     .generate([5], params))
+
+
+def test_prompt_longer_than_verls_budget_is_skipped_not_truncated(verl_setup, tiny_model_dir, tiny_tokenizer):
+    """verl would left-truncate a prompt the policy never saw; we return an empty, reward-0 row."""
+    from otb_tir.verl.agent_loop import close_cached_tools
+    from otb_tir.verl.launch import compose_verl_config
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    cfg, _ = verl_setup
+    vcfg = compose_verl_config(cfg, overrides=["data.max_prompt_length=32", "data.filter_overlong_prompts=false"])
+    manager = HFServerManager(tiny_model_dir, tiny_tokenizer, {})
+
+    async def go():
+        worker = AgentLoopWorker(vcfg, llm_client=manager)
+        batch, _ = _gen_batch(vcfg, worker.tokenizer, 1, 2)
+        try:
+            return await worker.generate_sequences(batch)
+        finally:
+            await close_cached_tools()
+
+    out = asyncio.run(go())
+    assert manager.outputs == {}  # nothing was generated
+    b = out.batch
+    assert b["prompts"].shape == (2, 32) and int(b["response_mask"].sum()) == 0
+    assert int(b["attention_mask"][:, 32:].sum()) == 0 and float(b["rm_scores"].abs().sum()) == 0.0
+    assert list(out.non_tensor_batch["otb_skipped"]) == ["prompt_too_long"] * 2
