@@ -177,6 +177,7 @@ def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model
         valid = torch.arange(R) < resp_len[i]
         inserted = resp[i][valid & ~m]
         assert torch.count_nonzero(rm[i]) <= 1 and (rm[i].sum() == 0 or rm[i, resp_len[i] - 1] != 0)
+        assert mask[i, resp_len[i] - 1] == 1  # the reward sits on a sampled token
         if inserted.numel():
             text = tiny_tokenizer.decode(inserted.tolist())
             assert "<tool_response>" in text
@@ -195,6 +196,26 @@ def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model
     recomputed = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
     m = mask.bool()
     assert torch.allclose(recomputed[m], lp[m], atol=2e-4), (recomputed[m] - lp[m]).abs().max()
+
+    # 5. the rollout feeds verl's compute_advantage with our TIR-OTB installed (as the trainer does)
+    from otb_tir.advantage import tir_optimal_token_baseline
+    from otb_tir.token_stats import sum_pi_squared_from_logits
+    from otb_tir.verl import plugin
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    b["old_log_probs"] = recomputed * mask
+    b["sum_pi_squared"] = sum_pi_squared_from_logits(logits) * mask
+    b["token_level_rewards"] = b["rm_scores"]
+    plugin.install()
+    try:
+        adv = compute_advantage(out, adv_estimator="tir_optimal_token_baseline", num_repeat=n,
+                                config=AlgoConfig()).batch["advantages"]
+    finally:
+        plugin.uninstall()
+    direct, _ = tir_optimal_token_baseline(b["rm_scores"], mask, out.non_tensor_batch["uid"],
+                                           old_log_probs=b["old_log_probs"], sum_pi_squared=b["sum_pi_squared"])
+    assert torch.equal(adv, direct) and torch.all(adv[~m] == 0) and adv.abs().sum() > 0
 
 
 def test_server_manager_engine_contract():
