@@ -79,6 +79,9 @@ SCRIPT = textwrap.dedent(r'''
         assert torch.equal(adv, direct[0]) and torch.equal(ret, direct[1]), c
         report[repr(c)] = [float((adv - before[c][0]).abs().max()), float((ret - before[c][1]).abs().max()),
                            float(adv.abs().max())]
+        if c[2]:  # verl passes rollout_is_weights through to our function: they change the result
+            no_is = compute_advantage(make_batch(c[1], False), adv_estimator=c[0], config=AlgoConfig())
+            assert not torch.allclose(adv, no_is.batch["advantages"]), c
     plugin.uninstall()
     assert all(reg[n] is originals[n] for n in NAMES) and not plugin.installed()
     print("RESULT " + json.dumps(report))
