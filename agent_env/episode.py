@@ -100,8 +100,8 @@ class EpisodeConfig:
                       f"{self.tool_response_truncate_side!r}")
         if self.tool_timeout is not None and not self.tool_timeout > 0:
             raise bad(f"tool_timeout must be positive or None, got {self.tool_timeout!r}")
-        if not self.temperature > 0:
-            raise bad(f"temperature must be > 0, got {self.temperature!r}")
+        if not self.temperature >= 0:
+            raise bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.on_template_mismatch not in ("record", "error"):

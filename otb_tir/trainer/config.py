@@ -103,9 +103,11 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RewardConfig:
-    format_reward: float = 0.0
-    tool_use_reward: float = 0.0
+class RewardConfig:  # agent_env.reward.RewardConfig's shaping terms (off by default)
+    correct_reward: float = 1.0
+    incorrect_reward: float = 0.0
+    format_bonus: float = 0.0
+    tool_use_bonus: float = 0.0
 
 
 @dataclass

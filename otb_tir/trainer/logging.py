@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 # The curves drawn in curves.png (those present in the metrics).
 CURVES = (
     "reward/mean", "reward/accuracy", "val/accuracy", "tools/call_rate", "tools/success_rate",
-    "episode/turns_mean", "response/length_mean", "adv/mean_abs", "variance/pure_noise",
+    "episode/turns_mean", "response/length_mean", "advantages/std", "variance_proxy/proxy3_pure_noise",
     "actor/pg_loss", "actor/entropy", "actor/grad_norm", "timing/step_s",
 )
 

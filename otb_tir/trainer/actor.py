@@ -1,0 +1,132 @@
+"""The actor: per-token statistics of a causal LM over a rollout batch, and the PPO update.
+
+Works on a plain model (one process) and on an FSDP2-sharded model under ``torchrun`` alike: the
+loss of each micro-batch is normalized by the token count of the whole *global* mini-batch and
+multiplied by the world size, so FSDP's gradient averaging yields the exact token-mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from otb_tir.token_stats import token_stats_for_causal_lm
+from otb_tir.trainer.ppo import ppo_policy_loss
+
+
+@dataclass
+class ActorSettings:
+    temperature: float = 1.0
+    micro_batch_size: int = 16
+    fused: bool = True
+    chunk: int = 512
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    grad_clip: float = 1.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    autocast_dtype: torch.dtype | None = None  # bf16 autocast on devices that support it
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, grad: bool):
+    resp_len = batch["responses"].shape[1]
+    device = next(model.parameters()).device
+    with _autocast(device, s.autocast_dtype):
+        return token_stats_for_causal_lm(
+            model,
+            batch["input_ids"][rows].to(device),
+            batch["attention_mask"][rows].to(device),
+            batch["position_ids"][rows].to(device),
+            response_length=resp_len,
+            temperature=s.temperature,
+            fused=s.fused,
+            chunk=s.chunk,
+        )
+
+
+@torch.no_grad()
+def compute_old_stats(model, batch: dict, s: ActorSettings) -> dict[str, torch.Tensor]:
+    """Old log-probs, entropy and Σπ² of the current policy on every response token ([B, R] each)."""
+    was_training = model.training
+    model.eval()
+    out = {"old_log_probs": [], "entropy": [], "sum_pi_squared": []}
+    n = batch["responses"].shape[0]
+    for i in range(0, n, s.micro_batch_size):
+        st = _stats(model, batch, slice(i, i + s.micro_batch_size), s, grad=False)
+        out["old_log_probs"].append(st.log_probs.float().cpu())
+        out["entropy"].append(st.entropy.float().cpu())
+        out["sum_pi_squared"].append(st.sum_pi_squared.float().cpu())
+    model.train(was_training)
+    mask = batch["response_mask"].float()
+    return {k: torch.cat(v) * mask if v else torch.zeros_like(mask) for k, v in out.items()}
+
+
+def ppo_update(model, optimizer, batch: dict, mini_batches: list[torch.Tensor], s: ActorSettings,
+               ref_log_probs: torch.Tensor | None = None) -> dict[str, float]:
+    """One pass of PPO over ``mini_batches`` (lists of row indices); one optimizer step each."""
+    model.train()
+    world = _world()
+    device = next(model.parameters()).device
+    sums = {"actor/pg_loss": 0.0, "actor/clip_frac": 0.0, "actor/ppo_kl": 0.0, "actor/entropy": 0.0,
+            "actor/kl_loss": 0.0, "actor/grad_norm": 0.0}
+    n_micro = 0
+    for rows in mini_batches:
+        mask = batch["loss_mask"][rows]
+        num_tokens = mask.sum().to(torch.float64)
+        if world > 1:
+            num_tokens = num_tokens.to(device)
+            dist.all_reduce(num_tokens)
+            num_tokens = num_tokens.cpu()
+        num_tokens = float(num_tokens.clamp_min(1.0))
+        optimizer.zero_grad(set_to_none=True)
+        for j in range(0, len(rows), s.micro_batch_size):
+            mrows = rows[j : j + s.micro_batch_size]
+            st = _stats(model, batch, mrows, s, grad=True)
+            out = ppo_policy_loss(
+                st.log_probs.float(),
+                batch["old_log_probs"][mrows].to(device),
+                batch["advantages"][mrows].to(device),
+                batch["loss_mask"][mrows].to(device),
+                clip_ratio_low=s.clip_ratio_low,
+                clip_ratio_high=s.clip_ratio_high,
+                clip_ratio_c=s.clip_ratio_c,
+                ref_log_probs=None if ref_log_probs is None else ref_log_probs[mrows].to(device),
+                kl_coef=s.kl_coef,
+                entropy=st.entropy.float(),
+                entropy_coef=s.entropy_coef,
+                num_tokens=num_tokens / world,
+            )
+            out.loss.backward()
+            sums["actor/pg_loss"] += float(out.pg_loss) * world
+            sums["actor/clip_frac"] += float(out.clip_frac)
+            sums["actor/ppo_kl"] += float(out.approx_kl)
+            sums["actor/entropy"] += float(out.entropy)
+            sums["actor/kl_loss"] += float(out.kl_loss)
+            n_micro += 1
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if torch.isfinite(torch.tensor(grad_norm)):
+            optimizer.step()
+        sums["actor/grad_norm"] += grad_norm
+    n_mini = max(len(mini_batches), 1)
+    metrics = {k: v / max(n_micro, 1) for k, v in sums.items() if k != "actor/grad_norm"}
+    # pg_loss micro-batch values are already fractions of the mini-batch mean: sum, don't average
+    metrics["actor/pg_loss"] = sums["actor/pg_loss"] / n_mini
+    metrics["actor/grad_norm"] = sums["actor/grad_norm"] / n_mini
+    return metrics

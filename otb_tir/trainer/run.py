@@ -1,0 +1,153 @@
+"""Build every component from a config and run: warm start → eval → TIR-OTB training → eval.
+
+Kept apart from ``recipes/train_tir_math.py`` (a thin script) so that tests and other recipes can
+call :func:`run` directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from otb_tir import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def load_items(cfg) -> tuple[list[dict], list[dict]]:
+    """Training and held-out prompts: verl parquet files, or the built-in generator's splits."""
+    from agent_env.data import load_parquet, make_split
+
+    if cfg.data.train_files:
+        train = [row for f in cfg.data.train_files for row in load_parquet(f)]
+    else:
+        train = make_split("train", cfg.data.train_size, seed=cfg.trainer.seed)
+    if cfg.data.val_files:
+        val = [row for f in cfg.data.val_files for row in load_parquet(f)]
+    else:
+        val = make_split("test", cfg.data.val_size, seed=0)  # the held-out set does not move with the seed
+    return train, val[: cfg.eval.size] if cfg.eval.size else val
+
+
+def policy_path(cfg) -> Path:
+    """``model.path``, or the built-in tiny policy after its (cached) SFT warm start."""
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
+        return path
+    from otb_tir.trainer.warm_start import warm_start_policy
+
+    return warm_start_policy(steps=cfg.model.warm_start_steps, seed=0)
+
+
+def build_optimizer(cfg, model):
+    o = cfg.actor.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
+    total = max(cfg.trainer.total_steps, 1)
+
+    def factor(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.lr_scheduler == "cosine":
+            import math
+
+            progress = (step - o.warmup_steps) / max(total - o.warmup_steps, 1)
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def run(cfg) -> dict[str, Any]:
+    """The local trainer end to end; returns (and writes) ``summary.json``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_env import AgentEnv
+    from agent_env.engines.hf import HFEngine
+    from otb_tir.trainer.trainer import Trainer, episode_config, summary_figures
+
+    t_start = time.perf_counter()
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    seed_everything(cfg.trainer.seed)
+    if cfg.rollout.name != "hf":
+        raise ConfigError(f"the local trainer runs rollout.name=hf; rollout.name={cfg.rollout.name} "
+                          "is for trainer=verl (vLLM / sglang servers managed by verl)")
+    device = resolve_device(cfg.trainer.device)
+    path = policy_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    autocast = None
+    if cfg.model.dtype != "float32":
+        if device.type != "cuda":
+            log.warning("model.dtype=%s needs a GPU here; training in float32 on %s", cfg.model.dtype, device)
+        else:
+            autocast = getattr(torch, cfg.model.dtype)
+    ref_model = None
+    if cfg.actor.use_kl_loss:
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    # The episode stops turns at the template's end-of-turn token; the tiny policy's generation
+    # config also lists the pad token as eos, which must not end a turn.
+    engine = HFEngine(model, tokenizer, share_weights=True, max_batch_size=cfg.rollout.max_batch_size,
+                      seed=cfg.trainer.seed, stop_at_eos=False)
+    env = AgentEnv(tokenizer, config=episode_config(cfg))
+    train_items, val_items = load_items(cfg)
+    optimizer, scheduler = build_optimizer(cfg, model)
+    trainer = Trainer(cfg, model, optimizer, scheduler, engine, env, train_items, val_items, out,
+                      ref_model=ref_model, autocast_dtype=autocast)
+    summary: dict[str, Any] = {"model": str(path), "adv_estimator": cfg.algorithm.adv_estimator,
+                               "seed": cfg.trainer.seed, "steps": cfg.trainer.total_steps}
+    try:
+        resumed = trainer.maybe_resume()
+        before_file = out / "before.json"
+        if cfg.eval.before and resumed and before_file.is_file():
+            summary["before"] = json.loads(before_file.read_text())
+        elif cfg.eval.before:
+            _, trajs = trainer.evaluate(tag="val")
+            summary["before"] = summary_figures(trajs)
+            before_file.write_text(json.dumps(summary["before"]))
+            log.info("before training: %s", summary["before"])
+        trainer.fit()
+        if cfg.eval.after:
+            _, trajs = trainer.evaluate(tag="val")
+            summary["after"] = summary_figures(trajs)
+            log.info("after training: %s", summary["after"])
+        final = out / "final"
+        model.save_pretrained(final)
+        tokenizer.save_pretrained(final)
+        summary["final_model"] = str(final)
+    finally:
+        import asyncio
+
+        asyncio.run(engine.close())
+        asyncio.run(env.close())
+        if trainer.logger is not None:
+            trainer.logger.close()
+    summary["wall_time_s"] = time.perf_counter() - t_start
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,313 @@
+"""The single-machine TIR trainer, one step top to bottom.
+
+    prompts ─► agent_env.rollout (B prompts × n samples, multi-turn tool episodes)
+            ─► actor forward: old log-probs, entropy, Σπ² (fused, no [T, V] logits)
+            ─► optional filters and rollout IS weights
+            ─► advantages by name (default TIR-OTB)
+            ─► PPO over mini-batches ─► engine weight sync ─► metrics, checkpoint
+
+Runs in one process on CPU or one GPU, and under ``torchrun`` with FSDP2 (see ``distributed.py``):
+each rank rolls out whole prompt groups, so group baselines never cross ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from agent_env import AgentEnv, EpisodeConfig, RolloutBatch, Trajectory, rollout_async
+from agent_env.reward import RewardConfig as EnvRewardConfig
+from otb_tir import ConfigError
+from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
+from otb_tir.metrics import advantage_stats, variance_proxy_metrics
+from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
+from otb_tir.trainer.checkpoint import load_latest, rng_state, save_checkpoint, set_rng_state
+from otb_tir.trainer.data import DataCursor
+from otb_tir.trainer.logging import MetricsLogger
+from otb_tir.trainer.ppo import truncated_is_weights
+
+log = logging.getLogger(__name__)
+
+
+def episode_config(cfg, *, n_override: dict[str, Any] | None = None) -> EpisodeConfig:
+    """agent_env's EpisodeConfig from the trainer config (rollout + multi_turn + reward)."""
+    mt, ro = cfg.multi_turn, cfg.rollout
+    d = dict(
+        parser=mt.format, tools=list(mt.tools), max_assistant_turns=mt.max_assistant_turns,
+        max_response_tokens=ro.response_length, max_tokens_per_turn=ro.max_tokens_per_turn,
+        max_tool_response_tokens=mt.max_tool_response_length,
+        tool_response_truncate_side=mt.tool_response_truncate_side, max_parallel_calls=mt.max_parallel_calls,
+        tool_timeout=mt.tool_timeout, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+        reward=EnvRewardConfig(**{k: float(v) for k, v in cfg.reward.items()}),
+    )
+    d.update(n_override or {})
+    return EpisodeConfig(**d)
+
+
+def trajectory_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Reward, accuracy and tool-use figures of a set of episodes."""
+    if not trajs:
+        return {}
+    n = len(trajs)
+    calls = sum(t.num_tool_calls for t in trajs)
+    ok_calls = sum(c.ok for t in trajs for tr in t.turns for c in tr.tool_calls)
+    sampled = np.array([sum(t.response_mask) for t in trajs], dtype=float)
+    total = np.array([len(t.response_ids) for t in trajs], dtype=float)
+    out = {
+        "reward/mean": float(np.mean([t.reward for t in trajs])),
+        "reward/accuracy": float(np.mean([bool(t.reward_details.get("correct", False)) for t in trajs])),
+        "tools/call_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
+        "tools/calls_per_episode": calls / n,
+        "tools/success_rate": ok_calls / calls if calls else float("nan"),
+        "tools/errors_per_episode": sum(t.tool_errors for t in trajs) / n,
+        "tools/malformed_per_episode": sum(t.malformed_calls for t in trajs) / n,
+        "episode/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+        "episode/void_turn_rate": sum(t.void_turns > 0 for t in trajs) / n,
+        "episode/template_mismatch_rate": sum(t.template_mismatch is not None for t in trajs) / n,
+        "response/length_mean": float(total.mean()),
+        "response/policy_tokens_mean": float(sampled.mean()),
+        "response/tool_token_share": float((total - sampled).sum() / max(total.sum(), 1.0)),
+    }
+    reasons: dict[str, int] = {}
+    for t in trajs:
+        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+    out.update({f"finish/{k}": v / n for k, v in sorted(reasons.items())})
+    return {prefix + k: v for k, v in out.items()}
+
+
+def summary_figures(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The before/after figures of ``summary.json``."""
+    m = trajectory_metrics(trajs)
+    return {"accuracy": m["reward/accuracy"], "tool_call_rate": m["tools/call_rate"],
+            "tool_success_rate": m["tools/success_rate"], "mean_turns": m["episode/turns_mean"],
+            "mean_reward": m["reward/mean"], "n": len(trajs)}
+
+
+def filter_loss_mask(batch: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss mask after the optional trajectory filters (void turns, overlong, flat groups)."""
+    mask = batch["response_mask"].clone().float()
+    keep = torch.ones(mask.shape[0], dtype=torch.bool)
+    f = cfg.algorithm.filter
+    trajs = batch.trajectories
+    if f.void_turns:
+        keep &= torch.tensor([t.void_turns == 0 for t in trajs])
+    if f.overlong:
+        keep &= torch.tensor([t.finish_reason not in ("length", "turn_length", "tool_overflow") for t in trajs])
+    if f.all_equal_reward_groups:
+        uid = batch["uid"]
+        _, inv = np.unique(uid, return_inverse=True)
+        inv_t = torch.as_tensor(inv)
+        r = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+        g = int(inv.max()) + 1
+        rmin = torch.full((g,), math.inf, dtype=torch.float64).scatter_reduce(0, inv_t, r, "amin")
+        rmax = torch.full((g,), -math.inf, dtype=torch.float64).scatter_reduce(0, inv_t, r, "amax")
+        keep &= (rmax > rmin)[inv_t]
+    mask *= keep[:, None].float()
+    return mask, {"filter/kept_frac": float(keep.float().mean())}
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    batch: RolloutBatch
+
+
+class Trainer:
+    """Single-machine (or torchrun/FSDP2) PPO trainer with TIR-OTB advantages.
+
+    ``model``: the policy being trained (possibly FSDP-sharded); ``engine``: the rollout engine
+    (an HFEngine sharing ``model``'s weights, or any Engine whose ``update_weights`` is called
+    after each step with ``weights_fn()``); ``env``: the agent_env environment.
+    """
+
+    def __init__(self, cfg, model, optimizer, scheduler, engine, env: AgentEnv, train_items, val_items,
+                 output_dir: str | Path, *, weights_fn: Callable[[], Any] | None = None,
+                 ref_model=None, rank: int = 0, world_size: int = 1, autocast_dtype=None):
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.engine, self.env, self.weights_fn, self.ref_model = engine, env, weights_fn, ref_model
+        self.rank, self.world = rank, world_size
+        self.out = Path(output_dir)
+        self.val_items = list(val_items)
+        bs = cfg.data.train_batch_size
+        if bs % world_size:
+            raise ConfigError(f"data.train_batch_size ({bs}) must be divisible by the number of ranks ({world_size})")
+        self.cursor = DataCursor(list(train_items), bs, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        self.estimator = get_estimator(cfg.algorithm.adv_estimator)
+        a = cfg.actor
+        self.actor = ActorSettings(
+            temperature=max(cfg.rollout.temperature, 1e-6) if cfg.rollout.temperature > 0 else 1.0,
+            micro_batch_size=a.ppo_micro_batch_size, fused=a.fused_token_stats, chunk=a.token_stats_chunk,
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            grad_clip=a.grad_clip, kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
+            entropy_coef=a.entropy_coeff, autocast_dtype=autocast_dtype)
+        self.logger = MetricsLogger(self.out, cfg.trainer.loggers if rank == 0 else [], project=cfg.trainer.project_name,
+                                    experiment=cfg.trainer.experiment_name, resume=cfg.trainer.resume) if rank == 0 else None
+        self.step = 0
+
+    # ------------------------------------------------------------------ rollout
+
+    def _rollout(self, items: Sequence[dict], n: int, seed: int, env: AgentEnv | None = None) -> RolloutBatch:
+        prompts = [{"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"],
+                    "uid": f"{seed}-{self.rank}-{i}"} for i, it in enumerate(items)]
+        return asyncio.run(rollout_async(self.engine, env or self.env, prompts, n, seed=seed,
+                                         progress=self.rank == 0))
+
+    def evaluate(self, items: Sequence[dict] | None = None, tag: str = "val") -> tuple[dict[str, float], list[Trajectory]]:
+        """Greedy (by default) episodes on the held-out items; returns metrics and trajectories."""
+        items = self.val_items if items is None else list(items)
+        items = items[self.rank :: self.world]
+        ev = self.cfg.eval
+        env = AgentEnv(self.env.tokenizer, tools=self.env.tools, config=episode_config(
+            self.cfg, n_override={"temperature": ev.temperature if ev.temperature > 0 else 0.0}))
+        self.model.eval()
+        batch = self._rollout(items, ev.n, seed=10_000_019 + self.cfg.trainer.seed, env=env)
+        trajs = _gather_objects(batch.trajectories, self.world)
+        return trajectory_metrics(trajs, prefix=f"{tag}/"), trajs
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> StepResult:
+        cfg, t0 = self.cfg, time.perf_counter()
+        items = self.cursor.next_batch()[self.rank :: self.world]
+        timing: dict[str, float] = {}
+
+        self.model.eval()
+        batch = self._rollout(items, cfg.rollout.n, seed=cfg.trainer.seed * 1_000_003 + self.step)
+        timing["timing/rollout_s"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        tensors = dict(batch.tensors)
+        stats = compute_old_stats(self.model, tensors, self.actor)
+        tensors.update(stats)
+        ref = None
+        if self.ref_model is not None and self.actor.kl_coef > 0:
+            ref = compute_old_stats(self.ref_model, tensors, self.actor)["old_log_probs"]
+        timing["timing/old_log_prob_s"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        mask = tensors["response_mask"].float()
+        rewards = place_reward_on_last_policy_token(tensors["token_level_rewards"], mask)
+        is_weights = None
+        if cfg.algorithm.rollout_is:
+            is_weights = truncated_is_weights(tensors["old_log_probs"], tensors["rollout_log_probs"], mask,
+                                              cfg.algorithm.rollout_is_threshold)
+        advantages, returns = self.estimator(
+            token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
+            old_log_probs=tensors["old_log_probs"], sum_pi_squared=tensors["sum_pi_squared"],
+            rollout_is_weights=is_weights, handle_zero_tail=cfg.algorithm.handle_zero_tail,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
+        loss_mask, filter_metrics = filter_loss_mask(batch, cfg)
+        tensors["advantages"] = advantages.float() * loss_mask
+        tensors["loss_mask"] = loss_mask
+        timing["timing/advantage_s"] = time.perf_counter() - t2
+
+        t3 = time.perf_counter()
+        rows = tensors["responses"].shape[0]
+        per_mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world
+        g = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + self.step)
+        actor_metrics: dict[str, float] = {}
+        for _ in range(cfg.actor.ppo_epochs):
+            perm = torch.randperm(rows, generator=g)
+            minis = [perm[i : i + per_mini] for i in range(0, rows, per_mini)]
+            actor_metrics = ppo_update(self.model, self.optimizer, tensors, minis, self.actor, ref)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        timing["timing/update_s"] = time.perf_counter() - t3
+
+        t4 = time.perf_counter()
+        self._sync_weights()
+        timing["timing/weight_sync_s"] = time.perf_counter() - t4
+
+        trajs = _gather_objects(batch.trajectories, self.world)
+        metrics = trajectory_metrics(trajs)
+        metrics.update(actor_metrics)
+        metrics.update(filter_metrics)
+        metrics.update(advantage_stats(tensors["advantages"], loss_mask))
+        metrics.update(variance_proxy_metrics(tensors["advantages"], loss_mask, tensors["old_log_probs"],
+                                              tensors["sum_pi_squared"], rollout_is_weights=is_weights,
+                                              gradient_norm=actor_metrics.get("actor/grad_norm")))
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
+        metrics["rollout/sampled_tokens_per_s"] = batch.stats.get("sampled_tokens_per_s", float("nan"))
+        metrics.update(timing)
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        return StepResult(metrics, batch)
+
+    def _sync_weights(self) -> None:
+        if self.weights_fn is None:  # the engine shares the trainer's model
+            asyncio.run(self.engine.update_weights({}))
+            return
+        asyncio.run(self.engine.update_weights(self.weights_fn()))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "cursor": self.cursor.state(), "rng": rng_state(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.cursor.load_state(state["cursor"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+    def maybe_resume(self) -> bool:
+        found = load_latest(self.out / "checkpoints") if self.cfg.trainer.resume else None
+        if found is None:
+            return False
+        step, state = found
+        self.load_state_dict(state)
+        self._sync_weights()
+        if self.logger is not None:
+            self.logger.truncate(step)
+        log.info("resumed from %s at step %d", self.out / "checkpoints", step)
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, progress: bool = True) -> list[dict[str, float]]:
+        from tqdm.auto import tqdm
+
+        history = []
+        total = self.cfg.trainer.total_steps
+        bar = tqdm(total=total, initial=self.step, desc="train", unit="step", disable=not progress or self.rank != 0)
+        while self.step < total:
+            res = self.train_step()
+            self.step += 1
+            history.append(res.metrics)
+            if self.logger is not None:
+                self.logger.log(res.metrics, self.step)
+            bar.set_postfix(acc=f"{res.metrics.get('reward/accuracy', float('nan')):.2f}",
+                            tools=f"{res.metrics.get('tools/call_rate', float('nan')):.2f}")
+            bar.update(1)
+            if self.cfg.trainer.save_every and (self.step % self.cfg.trainer.save_every == 0 or self.step == total):
+                self.save()
+        bar.close()
+        return history
+
+    def save(self) -> None:
+        state = self.state_dict()
+        if self.rank == 0:
+            save_checkpoint(self.out / "checkpoints", self.step, state, keep=self.cfg.trainer.keep_checkpoints)
+
+
+def _gather_objects(objs: list, world: int) -> list:
+    if world == 1:
+        return objs
+    import torch.distributed as dist
+
+    out: list[list] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(out, objs)
+    return [o for part in out for o in part]
