@@ -1,6 +1,5 @@
 """The README's "Adding a tool" section does what it says: run its code block verbatim, then use
-the tool it defines. The block is read from README.md when the section is there (the lead
-copies it in), else from docs/tools.md, so documentation and test cannot drift apart."""
+the tool it defines. The block is read from README.md, so documentation and test cannot drift apart."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ HEADING = re.compile(r"^#+\s*Adding a tool\s*$", re.MULTILINE)
 
 
 def adding_a_tool_section() -> tuple[Path, str]:
-    for path in (ROOT / "README.md", ROOT / "docs" / "tools.md"):
+    for path in (ROOT / "README.md",):
         if path.exists():
             text = path.read_text()
             match = HEADING.search(text)
@@ -27,7 +26,7 @@ def adding_a_tool_section() -> tuple[Path, str]:
                 level = len(text[match.start():match.end()].split()[0])
                 following = re.search(rf"^#{{1,{level}}}\s", rest, re.MULTILINE)
                 return path, rest[: following.start()] if following else rest
-    pytest.fail("no 'Adding a tool' section in README.md or docs/tools.md")
+    pytest.fail("no 'Adding a tool' section in README.md")
 
 
 def test_section_is_short_and_has_one_python_block():
