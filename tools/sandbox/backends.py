@@ -170,6 +170,9 @@ class BwrapBackend(Backend):
         for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime"):
             if os.path.exists(f):
                 cmd += ["--ro-bind", f, f]
+        # The private /tmp comes first: binds below it (a venv or a checkout under /tmp, as in CI)
+        # are then mounted on top of it instead of being hidden by it.
+        cmd += ["--perms", "0755", "--size", str(int(self.tmp_size_mb) * 1024 * 1024), "--tmpfs", "/tmp"]
         binds = self.python_paths() + list(self.extra_ro_binds)
         # parents of the binds (e.g. /root, mode 0700 on the host) are created traversable but
         # not listable, so the unprivileged child can import lazily from the bound trees
@@ -177,7 +180,7 @@ class BwrapBackend(Backend):
         for p in binds:
             for parent in reversed(Path(p).parents):
                 s = str(parent)
-                if s != "/" and s not in parents and not s.startswith("/usr"):
+                if s not in ("/", "/tmp") and s not in parents and not s.startswith("/usr"):
                     parents.append(s)
         for d in parents:
             cmd += ["--perms", "0711", "--dir", d]
@@ -185,8 +188,6 @@ class BwrapBackend(Backend):
             cmd += ["--ro-bind", p, p]
         cmd += ["--ro-bind", WORKER_PATH, SANDBOX_WORKER_PATH,
                 "--proc", "/proc", "--dev", "/dev",
-                "--perms", "0755", "--size", str(int(self.tmp_size_mb) * 1024 * 1024),
-                "--tmpfs", "/tmp",
                 "--chdir", "/tmp",
                 self.python, "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]
         return cmd
