@@ -8,11 +8,12 @@ fails at start with :class:`~otb_tir.ConfigError` naming the key and the valid c
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from otb_tir import ConfigError
@@ -137,6 +138,14 @@ class TrainerConfig:
 
 
 @dataclass
+class VerlConfig:  # trainer=verl only: verl settings this recipe does not model
+    # hydra-style overrides of verl's ppo_trainer config, applied last: "key=value" for a key verl has,
+    # "+key=value" for a new one. `verl.<verl key>=value` on the command line (or nested keys under
+    # `verl:` in YAML) append to this list.
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -147,6 +156,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    verl: VerlConfig = field(default_factory=VerlConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -161,17 +171,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _valid_keys(prefix: str) -> list[str]:
+def _valid_keys(prefix: str, schema: type | None = None) -> list[str]:
     """The keys allowed at the dotted path ``prefix`` of the schema ([] if it is not a section)."""
-    obj: Any = Config()
+    obj: Any = (schema or Config)()
     for part in [p for p in prefix.split(".") if p]:
         obj = getattr(obj, part, None)
     return [f.name for f in fields(obj)] if is_dataclass(obj) else []
 
 
-def _key_error(key: str) -> ConfigError:
+def _key_error(key: str, schema: type | None = None) -> ConfigError:
     parent, _, leaf = key.rpartition(".")
-    valid = _valid_keys(parent)
+    valid = _valid_keys(parent, schema)
     hint = difflib.get_close_matches(leaf, valid, n=1)
     where = f"under '{parent}'" if parent else "at the top level"
     msg = f"unknown config key '{key}'; valid keys {where}: {', '.join(valid)}"
@@ -180,23 +190,38 @@ def _key_error(key: str) -> ConfigError:
     return ConfigError(msg)
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, schema: type | None = None,
+                choices: Mapping[str, Sequence[Any]] | None = None,
+                check: Callable[[DictConfig], None] | None = None) -> DictConfig:
     """Schema defaults ← YAML file ← ``key=value`` overrides, validated.
 
     Raises ConfigError for unknown keys, values of the wrong type and values outside ``CHOICES``.
+    Another recipe passes its own dataclass ``schema``, ``choices`` (dotted key → allowed values)
+    and ``check`` (further validation); the defaults are the training config's.
     """
-    cfg = OmegaConf.structured(Config)
+    training = schema is None
+    schema = Config if schema is None else schema
+    choices = CHOICES if choices is None else choices
+    check = (_check_ranges if training else None) if check is None else check
+    cfg = OmegaConf.structured(schema)
     sources: list[tuple[str, Any]] = []
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         sources.append((str(path), OmegaConf.load(path)))
+    passthrough: list[str] = []
+    for _, src in sources:
+        passthrough += _pop_verl_passthrough(src)
     # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command).
-    overrides = [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o for o in overrides]
+    if training:
+        overrides = [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o
+                     for o in overrides]
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value (e.g. rollout.n=4), got: {bad}")
+    overrides, cli_verl = _split_verl_overrides(overrides)
+    passthrough += cli_verl
     if overrides:
         sources.append(("command line", OmegaConf.from_dotlist(list(overrides))))
     for origin, src in sources:
@@ -204,17 +229,55 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             cfg = OmegaConf.merge(cfg, src)
         except (ConfigKeyError, ConfigAttributeError) as e:
             key = getattr(e, "full_key", None) or str(e)
-            raise _key_error(str(key)) from None
+            raise _key_error(str(key), schema) from None
         except ValidationError as e:
             raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
         except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
             raise ConfigError(f"{origin}: {e}") from None
-    for key, choices in CHOICES.items():
+    for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"'{key}' must be one of {', '.join(choices)}; got {value!r}")
-    _check_ranges(cfg)
+        if value not in allowed:
+            raise ConfigError(f"'{key}' must be one of {', '.join(map(str, allowed))}; got {value!r}")
+    if check is not None:
+        check(cfg)
     return cfg
+
+
+def _split_verl_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``verl.<verl key>=v`` / ``+verl.<verl key>=v`` passthrough items from our own overrides."""
+    ours, verl = [], []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        plus = key.startswith("+")
+        bare = key[1:] if plus else key
+        if bare.startswith("verl.") and bare != "verl.overrides" and not bare.startswith("verl.overrides."):
+            verl.append(("+" if plus else "") + bare[len("verl."):] + "=" + value)
+        else:
+            ours.append(o)
+    return ours, verl
+
+
+def _pop_verl_passthrough(src: Any) -> list[str]:
+    """Nested verl keys under a YAML ``verl:`` section (besides ``overrides``) as ``key=value`` items."""
+    if not isinstance(src, DictConfig) or not isinstance(src.get("verl"), DictConfig):
+        return []
+    section = src.verl
+    extra = {k: section[k] for k in list(section.keys()) if k != "overrides"}
+    for k in extra:
+        section.pop(k)
+    out: list[str] = []
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, DictConfig) and len(node):
+            for k in node.keys():
+                walk(f"{prefix}.{k}", node[k])
+            return
+        value = OmegaConf.to_container(node) if isinstance(node, (DictConfig, ListConfig)) else node
+        out.append(f"{prefix}={json.dumps(value)}")
+
+    for k, node in extra.items():
+        walk(str(k), node)
+    return out
 
 
 def _check_ranges(cfg: DictConfig) -> None:
