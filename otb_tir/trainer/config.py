@@ -210,9 +210,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         sources.append((str(path), OmegaConf.load(path)))
-    passthrough: list[str] = []
-    for _, src in sources:
-        passthrough += _pop_verl_passthrough(src)
+    verl_items: list[str] = []
+    if "verl" in cfg:  # the training schema: `verl.<verl key>=value` passthrough (trainer=verl)
+        overrides, verl_items = _take_verl_passthrough(sources, overrides)
     # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command).
     if training:
         overrides = [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o
@@ -220,8 +220,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value (e.g. rollout.n=4), got: {bad}")
-    overrides, cli_verl = _split_verl_overrides(overrides)
-    passthrough += cli_verl
     if overrides:
         sources.append(("command line", OmegaConf.from_dotlist(list(overrides))))
     for origin, src in sources:
@@ -234,6 +232,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
             raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
         except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
             raise ConfigError(f"{origin}: {e}") from None
+    if "verl" in cfg:
+        _apply_verl_section(cfg, verl_items)
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -243,9 +243,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     return cfg
 
 
-def _split_verl_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split ``verl.<verl key>=v`` / ``+verl.<verl key>=v`` passthrough items from our own overrides."""
-    ours, verl = [], []
+def _take_verl_passthrough(sources: list[tuple[str, Any]], overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Our own overrides, and the verl settings given as ``verl.<verl key>=v`` (``+verl.<key>=v`` for a
+    key verl lacks) on the command line or as nested keys under ``verl:`` in YAML, as ``key=value`` items."""
+    verl: list[str] = []
+    for _, src in sources:
+        verl += _pop_verl_passthrough(src)
+    ours = []
     for o in overrides:
         key, _, value = o.partition("=")
         plus = key.startswith("+")
@@ -255,6 +259,17 @@ def _split_verl_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str
         else:
             ours.append(o)
     return ours, verl
+
+
+def _apply_verl_section(cfg: DictConfig, items: list[str]) -> None:
+    cfg.verl.overrides = [*cfg.verl.overrides, *items]
+    bad = [o for o in cfg.verl.overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"verl.overrides entries must look like key=value (a key of verl's ppo_trainer config), "
+                          f"got: {bad}")
+    if cfg.verl.overrides and cfg.trainer.name != "verl":
+        raise ConfigError(f"verl settings {list(cfg.verl.overrides)} only apply to trainer=verl; add trainer=verl "
+                          "or drop them (the local trainer is configured by this recipe's own keys)")
 
 
 def _pop_verl_passthrough(src: Any) -> list[str]:
