@@ -135,6 +135,9 @@ class TrainerConfig:
     experiment_name: str = "tir_math"
     n_gpus_per_node: int = 1  # verl path
     nnodes: int = 1  # verl path
+    # under `torchrun --nproc_per_node N` (FSDP2, see otb_tir/trainer/distributed.py):
+    dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    fsdp_reshard_after_forward: bool = True  # free gathered layer weights after each forward (ZeRO-3)
 
 
 @dataclass
@@ -168,6 +171,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.adv_estimator": ("tir_optimal_token_baseline", "optimal_token_baseline", "grpo", "rloo"),
     "trainer.name": ("local", "verl"),
     "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.dist_backend": ("auto", "gloo", "nccl"),
 }
 
 
