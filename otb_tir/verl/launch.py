@@ -22,9 +22,14 @@ hydra's compose API (as ``verl.trainer.main_ppo`` does) and sets, from our confi
 ``run_ppo`` with :class:`otb_tir.verl.task_runner.OTBTaskRunner`, which installs the plugin in the
 Ray actor that computes advantages before training starts.
 
-Extra verl settings: ``compose_verl_config(cfg, overrides=["actor_rollout_ref.rollout.
-tensor_model_parallel_size=2", ...])`` (``key=value`` of an existing verl key, ``+key=value``
-for a new one; applied last).
+Extra verl settings (any key of verl's ``ppo_trainer`` config the recipe does not model) come from
+``cfg.verl.overrides`` (the recipe's ``verl.overrides=[...]`` or ``verl.<verl key>=value``) and then
+the ``overrides`` argument, in hydra's override syntax exactly as ``verl.trainer.main_ppo`` takes
+them on its command line: ``key=value`` for a key verl has, ``+key=value`` to add a key,
+``++key=value`` to add or override, ``~key`` to delete, ``group=option`` to pick a config group. They
+are checked by hydra's composition of verl's own config before anything else happens (a key verl
+does not have, or a value of the wrong kind, is a :class:`ConfigError`), and applied last, so they
+win over the values this module derives from the recipe.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
 from otb_tir.verl import require_verl
@@ -65,7 +70,80 @@ def _compose_base(overrides: Sequence[str]) -> DictConfig:
         try:
             return compose(config_name="ppo_trainer", overrides=list(overrides))
         except Exception as exc:  # hydra's OverrideParseException, ConfigCompositionException, ...
-            raise ConfigError(f"verl rejected the overrides {list(overrides)}: {exc}") from None
+            msg = " ".join(str(exc).split())
+            raise ConfigError(f"verl {require_verl().__version__} rejected the overrides {list(overrides)}: {msg}") from None
+
+
+def _user_overrides(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
+    items = [*(OmegaConf.select(cfg, "verl.overrides", default=None) or []), *overrides]
+    bad = [o for o in items if not isinstance(o, str) or ("=" not in o and not o.startswith("~"))]
+    if bad:
+        raise ConfigError(f"verl overrides must look like key=value (a key of verl's ppo_trainer config), got {bad}")
+    return list(items)
+
+
+def _parse_overrides(items: Sequence[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(items))
+    except Exception as exc:  # hydra's OverrideParseException
+        raise ConfigError(f"bad verl override in {list(items)}: {exc}") from None
+    sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
+    if sweeps:
+        raise ConfigError(f"verl overrides take one value each (no sweeps): {sweeps}")
+    return parsed
+
+
+def _is_group_override(o) -> bool:
+    return o.package is not None or (isinstance(o.value(), str) and (verl_config_dir() / o.key_or_group).is_dir())
+
+
+def _kind(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (dict, DictConfig)):
+        return "mapping"
+    if isinstance(value, (list, tuple, ListConfig)):
+        return "list"
+    return "str"
+
+
+def _check_override_kinds(base: DictConfig, parsed: list) -> None:
+    """A value of the wrong kind for verl's key (a word for a number, a scalar for a section...)."""
+    for o in parsed:
+        if o.is_delete() or _is_group_override(o):
+            continue
+        if not _exists(base, o.key_or_group) or OmegaConf.is_missing(base, o.key_or_group):
+            continue
+        current = OmegaConf.select(base, o.key_or_group)
+        have, want = _kind(o.value()), _kind(current)
+        if have is None or want is None or have == want or (want == "str" and have in ("number", "bool")):
+            continue
+        default = "" if want == "mapping" else f" (default {OmegaConf.to_container(current) if want == 'list' else current!r})"
+        raise ConfigError(f"verl override {o.input_line!r}: verl's '{o.key_or_group}' is a {want}{default}, got a {have}")
+
+
+def _apply_user_overrides(vcfg: DictConfig, parsed: list) -> None:
+    """Re-apply the (already validated) user overrides on top of the recipe's values."""
+    for o in parsed:
+        if _is_group_override(o):
+            continue
+        key = o.key_or_group
+        if o.is_delete():
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(vcfg, parent) if parent else vcfg
+            if isinstance(node, DictConfig) and leaf in node:
+                with open_dict(node):
+                    del node[leaf]
+            continue
+        recipe_value = OmegaConf.select(vcfg, key, default=None)
+        OmegaConf.update(vcfg, key, o.value(), merge=True, force_add=True)
+        logger.info("verl override %s (the recipe had %r)", o.input_line, recipe_value)
 
 
 def _set(vcfg: DictConfig, key: str, value: Any) -> None:
@@ -150,6 +228,13 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
     """
     require_verl()
     _check_supported(cfg)
+    # The user's verl overrides are checked first (hydra composes verl's config with them), before
+    # the data files and the warm-started model are prepared.
+    user = _user_overrides(cfg, overrides)
+    parsed = _parse_overrides(user)
+    _compose_base(user)  # hydra checks every override against verl's config (unknown keys, bad syntax)
+    v = _compose_base([o.input_line for o in parsed if _is_group_override(o)])
+    _check_override_kinds(v, parsed)
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     train_files, val_files = _data_files(cfg, out)
@@ -157,7 +242,6 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
     agent_loop_yaml = out / "agent_loop.yaml"
     OmegaConf.save(OmegaConf.create(_agent_loop_entries(cfg)), agent_loop_yaml)
 
-    v = _compose_base(())
     a, r, o = cfg.actor, cfg.rollout, cfg.actor.optim
     otb = cfg.algorithm.adv_estimator in OTB_ESTIMATORS
     settings: dict[str, Any] = {
@@ -254,22 +338,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
         env_vars["TENSORBOARD_DIR"] = str(out / "tensorboard")
         env_vars["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
         runtime_env["env_vars"] = env_vars
-    if overrides:
-        from omegaconf.errors import OmegaConfBaseException
-
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"verl overrides must look like key=value, got {item!r}")
-            key, value = item.split("=", 1)
-            try:
-                parsed = OmegaConf.from_dotlist([f"x={value}"]).x
-                if key.startswith("+"):  # a new key, as in hydra's override syntax
-                    with open_dict(v):
-                        OmegaConf.update(v, key[1:], parsed, merge=False, force_add=True)
-                else:
-                    _set(v, key, parsed)
-            except OmegaConfBaseException as exc:
-                raise ConfigError(f"bad verl override {item!r}: {exc}") from None
+    _apply_user_overrides(v, parsed)
     return v
 
 

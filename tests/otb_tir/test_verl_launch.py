@@ -106,7 +106,7 @@ def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
     assert v.actor_rollout_ref.rollout.tensor_model_parallel_size == 2 and v.my.new_key == 3
     assert v.algorithm.adv_estimator == "grpo" and v.actor_rollout_ref.actor.calculate_sum_pi_squared is False
     assert v.algorithm.rollout_correction.rollout_is == "token"
-    with pytest.raises(ConfigError, match="no config key 'actor_rollout_ref.rollout.tensor_parallel'"):
+    with pytest.raises(ConfigError, match="Could not override 'actor_rollout_ref.rollout.tensor_parallel'"):
         compose_verl_config(_cfg(tiny_model_dir, tmp_path), overrides=["actor_rollout_ref.rollout.tensor_parallel=2"])
     for extra, match in [("rollout.name=hf", "vllm or sglang"),
                          ("algorithm.handle_zero_tail=false", "handle_zero_tail"),
@@ -114,6 +114,60 @@ def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
                          ("data.train_files=[/nonexistent.parquet]", "not found")]:
         with pytest.raises(ConfigError, match=match):
             compose_verl_config(_cfg(tiny_model_dir, tmp_path, extra))
+
+
+def test_verl_section_passes_any_verl_key_through_to_verls_dataclasses(tiny_model_dir, tmp_path):
+    """verl keys the recipe does not model, from YAML (nested and `overrides`), `verl.<key>=v` on the
+    command line and the `overrides` argument, in that order, win over the recipe's values and reach
+    verl's own dataclasses."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from otb_tir.trainer.config import load_config
+    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+
+    yaml = tmp_path / "recipe.yaml"
+    yaml.write_text("verl:\n  overrides: ['actor_rollout_ref.actor.ppo_epochs=3', 'trainer.val_only=true']\n"
+                    "  actor_rollout_ref:\n    actor:\n      checkpoint: {save_contents: [model]}\n"
+                    "      ppo_epochs: 4\n")
+    cfg = load_config(yaml, [*BASE, f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
+                             "verl.actor_rollout_ref.actor.optim.lr=2e-5", "verl.actor_rollout_ref.actor.ppo_epochs=2",
+                             "+verl.my_plugin.setting=[1,2]"])
+    assert list(cfg.verl.overrides) == [
+        "actor_rollout_ref.actor.ppo_epochs=3", "trainer.val_only=true",
+        'actor_rollout_ref.actor.checkpoint.save_contents=["model"]', "actor_rollout_ref.actor.ppo_epochs=4",
+        "actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.ppo_epochs=2", "+my_plugin.setting=[1,2]"]
+    v = compose_verl_config(cfg, overrides=["~trainer.val_only", "actor_rollout_ref.actor.use_dynamic_bsz=true"])
+    validate_verl_config(v)
+    actor = omega_conf_to_dataclass(v.actor_rollout_ref.actor)
+    assert actor.ppo_epochs == 2 and actor.optim.lr == 2e-5  # last one wins; the recipe's lr was 3e-6
+    assert list(actor.checkpoint.save_contents) == ["model"] and actor.use_dynamic_bsz is True
+    assert list(v.my_plugin.setting) == [1, 2] and "val_only" not in v.trainer
+    # the recipe's own values are untouched where no override names them
+    assert actor.calculate_sum_pi_squared is True and v.actor_rollout_ref.rollout.n == 4
+
+
+def test_bad_verl_overrides_fail_before_any_work(tiny_model_dir, tmp_path):
+    from otb_tir.trainer.config import load_config
+    from otb_tir.verl.launch import compose_verl_config
+
+    for extra, match in [
+        ("verl.actor_rollout_ref.actor.ppo_epoch=2", r"Could not override 'actor_rollout_ref.actor.ppo_epoch'"),
+        ("+verl.actor_rollout_ref.actor.ppo_epochs=2", "An item is already at"),
+        ("verl.actor_rollout_ref.actor.ppo_epochs=two", r"'actor_rollout_ref.actor.ppo_epochs' is a number \(default 1\), got a str"),
+        ("verl.actor_rollout_ref.actor.use_dynamic_bsz=3", "is a bool .*got a number"),
+        ("verl.actor_rollout_ref.actor=3", "'actor_rollout_ref.actor' is a mapping, got a number"),
+        ("verl.trainer.logger=console", r"'trainer.logger' is a list"),
+        ("verl.actor_rollout_ref.actor.ppo_epochs=1,2", "no sweeps"),
+        ("verl.overrides=[justakey]", "must look like key=value"),
+    ]:
+        out = tmp_path / str(abs(hash(extra)))
+        with pytest.raises(ConfigError, match=match):
+            compose_verl_config(_cfg(tiny_model_dir, out, extra))
+        assert not (out / "data").exists() and not (out / "agent_loop.yaml").exists()  # nothing prepared yet
+    with pytest.raises(ConfigError, match="only apply to trainer=verl"):
+        load_config(None, ["verl.actor_rollout_ref.actor.ppo_epochs=2"])
+    with pytest.raises(ConfigError, match="only apply to trainer=verl"):
+        load_config(None, ["verl.overrides=[actor_rollout_ref.actor.ppo_epochs=2]", "trainer=local"])
 
 
 def test_task_runner_installs_the_plugin_before_verls_run(composed, monkeypatch):
