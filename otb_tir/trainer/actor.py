@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from otb_tir.token_stats import token_stats_for_causal_lm
+from otb_tir.token_stats import TokenStats, token_stats_for_causal_lm
+from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import ppo_policy_loss
 
 
@@ -42,20 +43,17 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, grad: bool):
+def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, grad: bool) -> TokenStats:
     resp_len = batch["responses"].shape[1]
     device = next(model.parameters()).device
+    args = (batch["input_ids"][rows].to(device), batch["attention_mask"][rows].to(device),
+            batch["position_ids"][rows].to(device))
     with _autocast(device, s.autocast_dtype):
-        return token_stats_for_causal_lm(
-            model,
-            batch["input_ids"][rows].to(device),
-            batch["attention_mask"][rows].to(device),
-            batch["position_ids"][rows].to(device),
-            response_length=resp_len,
-            temperature=s.temperature,
-            fused=s.fused,
-            chunk=s.chunk,
-        )
+        if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
+            return TokenStats(*model(*args, response_length=resp_len, temperature=s.temperature,
+                                     fused=s.fused, chunk=s.chunk))
+        return token_stats_for_causal_lm(model, *args, response_length=resp_len, temperature=s.temperature,
+                                         fused=s.fused, chunk=s.chunk)
 
 
 @torch.no_grad()
@@ -77,13 +75,23 @@ def compute_old_stats(model, batch: dict, s: ActorSettings) -> dict[str, torch.T
 
 def ppo_update(model, optimizer, batch: dict, mini_batches: list[torch.Tensor], s: ActorSettings,
                ref_log_probs: torch.Tensor | None = None) -> dict[str, float]:
-    """One pass of PPO over ``mini_batches`` (lists of row indices); one optimizer step each."""
+    """One pass of PPO over ``mini_batches`` (lists of row indices); one optimizer step each.
+
+    Under FSDP every rank must pass the same number of mini-batches, each with the same number of
+    rows (the same micro-batch count: each forward/backward is a collective). The token-mean's
+    denominator is the mask=1 count of the global mini-batch (all ranks), so the averaged gradient
+    equals a one-process run's on the same rows. Metrics are global: the loss terms are the
+    token-means over all ranks' rows; clip fraction and ppo_kl are means of micro-batch means.
+    """
     model.train()
     world = _world()
     device = next(model.parameters()).device
-    sums = {"actor/pg_loss": 0.0, "actor/clip_frac": 0.0, "actor/ppo_kl": 0.0, "actor/entropy": 0.0,
-            "actor/kl_loss": 0.0, "actor/grad_norm": 0.0}
+    # loss terms: each micro-batch value is its share of the (rank-scaled) mini-batch token-mean → summed
+    loss_sums = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0}
+    mean_sums = {"actor/clip_frac": 0.0, "actor/ppo_kl": 0.0}
+    grad_norm_sum = 0.0
     n_micro = 0
+    sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: reduce gradients once per mini-batch
     for rows in mini_batches:
         mask = batch["loss_mask"][rows]
         num_tokens = mask.sum().to(torch.float64)
@@ -93,7 +101,10 @@ def ppo_update(model, optimizer, batch: dict, mini_batches: list[torch.Tensor], 
             num_tokens = num_tokens.cpu()
         num_tokens = float(num_tokens.clamp_min(1.0))
         optimizer.zero_grad(set_to_none=True)
-        for j in range(0, len(rows), s.micro_batch_size):
+        starts = list(range(0, len(rows), s.micro_batch_size))
+        for j in starts:
+            if sync is not None:
+                sync(j == starts[-1])
             mrows = rows[j : j + s.micro_batch_size]
             st = _stats(model, batch, mrows, s, grad=True)
             out = ppo_policy_loss(
@@ -108,25 +119,33 @@ def ppo_update(model, optimizer, batch: dict, mini_batches: list[torch.Tensor], 
                 kl_coef=s.kl_coef,
                 entropy=st.entropy.float(),
                 entropy_coef=s.entropy_coef,
-                num_tokens=num_tokens / world,
+                num_tokens=num_tokens / world,  # FSDP averages gradients over ranks: × world undoes it
             )
             out.loss.backward()
-            sums["actor/pg_loss"] += float(out.pg_loss) * world
-            sums["actor/clip_frac"] += float(out.clip_frac)
-            sums["actor/ppo_kl"] += float(out.approx_kl)
-            sums["actor/entropy"] += float(out.entropy)
-            sums["actor/kl_loss"] += float(out.kl_loss)
+            loss_sums["actor/pg_loss"] += float(out.pg_loss)
+            loss_sums["actor/entropy"] += float(out.entropy)
+            loss_sums["actor/kl_loss"] += float(out.kl_loss)
+            mean_sums["actor/clip_frac"] += float(out.clip_frac)
+            mean_sums["actor/ppo_kl"] += float(out.approx_kl)
             n_micro += 1
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
+        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: already the global norm
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         if torch.isfinite(torch.tensor(grad_norm)):
             optimizer.step()
-        sums["actor/grad_norm"] += grad_norm
+        grad_norm_sum += grad_norm
+    keys = [*loss_sums, *mean_sums]
+    vals = torch.tensor([*loss_sums.values(), *mean_sums.values(), float(n_micro)], dtype=torch.float64)
+    if world > 1:
+        vals = vals.to(device)
+        dist.all_reduce(vals)
+        vals = vals.cpu()
     n_mini = max(len(mini_batches), 1)
-    metrics = {k: v / max(n_micro, 1) for k, v in sums.items() if k != "actor/grad_norm"}
-    # pg_loss micro-batch values are already fractions of the mini-batch mean: sum, don't average
-    metrics["actor/pg_loss"] = sums["actor/pg_loss"] / n_mini
-    metrics["actor/grad_norm"] = sums["actor/grad_norm"] / n_mini
+    total_micro = max(float(vals[-1]), 1.0)
+    metrics = {}
+    for i, k in enumerate(keys):
+        # a rank's summed loss terms are world × its share of the global token-mean (num_tokens / world)
+        metrics[k] = float(vals[i]) / world / n_mini if k in loss_sums else float(vals[i]) / total_micro
+    metrics["actor/grad_norm"] = grad_norm_sum / n_mini
     return metrics

@@ -2,6 +2,11 @@
 
 Each checkpoint is written to a temporary folder and renamed into place, so a run killed mid-save
 leaves the previous checkpoint intact; ``latest`` is read by listing complete ``step_*`` folders.
+
+One process: ``step_N/state.pt`` holds everything. Under torchrun/FSDP2: ``step_N/dcp/`` holds the
+sharded model and optimizer (``torch.distributed.checkpoint``, every rank writes its own shards)
+and ``step_N/state.pt`` (written last, by rank 0) the scheduler, data cursor, step, every rank's
+RNG state and ``distributed: True``.
 """
 
 from __future__ import annotations
@@ -70,3 +75,47 @@ def load_latest(root: str | Path) -> tuple[int, dict[str, Any]] | None:
     path = ckpts[-1]
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     return int(_STEP.match(path.name).group(1)), state
+
+
+def save_distributed_checkpoint(root: str | Path, step: int, model, optimizer, state: dict[str, Any], *,
+                                rank: int, world: int, keep: int = 2) -> Path:
+    """Collective: every rank writes its model/optimizer shards with DCP, rank 0 adds ``state.pt``
+    (``state`` + ``distributed: True``) and renames the folder into place once all shards are down."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(root)
+    final = root / f"step_{step}"
+    tmp = root / f".tmp_step_{step}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    dist.barrier()  # every shard is on disk
+    if rank == 0:
+        torch.save({**state, "distributed": True, "world_size": world}, tmp / "state.pt")
+        with open(tmp / "state.pt", "rb") as f:
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_distributed_state(path: str | Path, model, optimizer) -> None:
+    """Collective: load ``path/dcp`` into the (FSDP-sharded) ``model`` and its ``optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

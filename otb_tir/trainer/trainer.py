@@ -7,7 +7,10 @@
             ─► PPO over mini-batches ─► engine weight sync ─► metrics, checkpoint
 
 Runs in one process on CPU or one GPU, and under ``torchrun`` with FSDP2 (see ``distributed.py``):
-each rank rolls out whole prompt groups, so group baselines never cross ranks.
+each rank rolls out a contiguous block of the global prompt batch (whole uid groups, so group
+baselines never cross ranks; episode seeds offset by the block start, so the samples are those of
+a one-process run), metrics are computed over all ranks' rows, checkpoints go through
+``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from otb_tir import ConfigError
 from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
 from otb_tir.metrics import advantage_stats, variance_proxy_metrics
 from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
-from otb_tir.trainer.checkpoint import load_latest, rng_state, save_checkpoint, set_rng_state
+from otb_tir.trainer.checkpoint import (load_distributed_state, load_latest, rng_state, save_checkpoint,
+                                        save_distributed_checkpoint, set_rng_state)
 from otb_tir.trainer.data import DataCursor
+from otb_tir.trainer.distributed import gather_objects, gather_tensors, shard_items
 from otb_tir.trainer.logging import MetricsLogger
 from otb_tir.trainer.ppo import truncated_is_weights
 
@@ -139,6 +144,9 @@ class Trainer:
         bs = cfg.data.train_batch_size
         if bs % world_size:
             raise ConfigError(f"data.train_batch_size ({bs}) must be divisible by the number of ranks ({world_size})")
+        if (cfg.actor.ppo_mini_batch_size * cfg.rollout.n) % world_size:
+            raise ConfigError(f"actor.ppo_mini_batch_size × rollout.n ({cfg.actor.ppo_mini_batch_size} × "
+                              f"{cfg.rollout.n}) trajectories must split evenly over {world_size} ranks")
         self.cursor = DataCursor(list(train_items), bs, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.estimator = get_estimator(cfg.algorithm.adv_estimator)
         a = cfg.actor
@@ -154,33 +162,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout
 
-    def _rollout(self, items: Sequence[dict], n: int, seed: int, env: AgentEnv | None = None) -> RolloutBatch:
+    def _rollout(self, items: Sequence[dict], n: int, seed: int, env: AgentEnv | None = None,
+                 offset: int = 0) -> RolloutBatch:
+        """Episodes of ``items``, the block of a global batch starting at index ``offset``: uids and
+        episode seeds are those the same prompts get in a one-process rollout of the whole batch."""
         prompts = [{"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"],
-                    "uid": f"{seed}-{self.rank}-{i}"} for i, it in enumerate(items)]
-        return asyncio.run(rollout_async(self.engine, env or self.env, prompts, n, seed=seed,
+                    "uid": f"{seed}-{offset + i}"} for i, it in enumerate(items)]
+        return asyncio.run(rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n,
                                          progress=self.rank == 0))
 
     def evaluate(self, items: Sequence[dict] | None = None, tag: str = "val") -> tuple[dict[str, float], list[Trajectory]]:
         """Greedy (by default) episodes on the held-out items; returns metrics and trajectories."""
         items = self.val_items if items is None else list(items)
-        items = items[self.rank :: self.world]
+        items, offset = shard_items(items, self.rank, self.world)
         ev = self.cfg.eval
         env = AgentEnv(self.env.tokenizer, tools=self.env.tools, config=episode_config(
             self.cfg, n_override={"temperature": ev.temperature if ev.temperature > 0 else 0.0}))
         self.model.eval()
-        batch = self._rollout(items, ev.n, seed=10_000_019 + self.cfg.trainer.seed, env=env)
-        trajs = _gather_objects(batch.trajectories, self.world)
+        local = self._rollout(items, ev.n, seed=10_000_019 + self.cfg.trainer.seed, env=env,
+                              offset=offset).trajectories if items else []
+        trajs = gather_objects(local, self.world)
         return trajectory_metrics(trajs, prefix=f"{tag}/"), trajs
 
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> StepResult:
         cfg, t0 = self.cfg, time.perf_counter()
-        items = self.cursor.next_batch()[self.rank :: self.world]
+        items, offset = shard_items(self.cursor.next_batch(), self.rank, self.world)
         timing: dict[str, float] = {}
 
         self.model.eval()
-        batch = self._rollout(items, cfg.rollout.n, seed=cfg.trainer.seed * 1_000_003 + self.step)
+        batch = self._rollout(items, cfg.rollout.n, seed=cfg.trainer.seed * 1_000_003 + self.step, offset=offset)
         timing["timing/rollout_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -226,13 +238,20 @@ class Trainer:
         self._sync_weights()
         timing["timing/weight_sync_s"] = time.perf_counter() - t4
 
-        trajs = _gather_objects(batch.trajectories, self.world)
+        # metrics over all ranks' rows (rank order = the one-process row order)
+        trajs = gather_objects(batch.trajectories, self.world)
+        local = {"advantages": tensors["advantages"], "loss_mask": loss_mask, "old_log_probs": tensors["old_log_probs"],
+                 "sum_pi_squared": tensors["sum_pi_squared"]}
+        if is_weights is not None:
+            local["is_weights"] = is_weights
+        g_all = gather_tensors(local, self.world)
         metrics = trajectory_metrics(trajs)
         metrics.update(actor_metrics)
-        metrics.update(filter_metrics)
-        metrics.update(advantage_stats(tensors["advantages"], loss_mask))
-        metrics.update(variance_proxy_metrics(tensors["advantages"], loss_mask, tensors["old_log_probs"],
-                                              tensors["sum_pi_squared"], rollout_is_weights=is_weights,
+        kept = gather_objects([filter_metrics["filter/kept_frac"]], self.world)  # equal rows per rank
+        metrics["filter/kept_frac"] = float(np.mean(kept))
+        metrics.update(advantage_stats(g_all["advantages"], g_all["loss_mask"]))
+        metrics.update(variance_proxy_metrics(g_all["advantages"], g_all["loss_mask"], g_all["old_log_probs"],
+                                              g_all["sum_pi_squared"], rollout_is_weights=g_all.get("is_weights"),
                                               gradient_norm=actor_metrics.get("actor/grad_norm")))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
@@ -250,17 +269,26 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
+        """One process: everything in one dict (model, optimizer, scheduler, cursor, RNG, step)."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "cursor": self.cursor.state(), "rng": rng_state(), "step": self.step}
 
+    def _small_state(self) -> dict[str, Any]:
+        """Under FSDP: what is not sharded (model and optimizer go through DCP); RNG of every rank."""
+        return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "cursor": self.cursor.state(), "rng_per_rank": gather_objects([rng_state()], self.world),
+                "step": self.step, "world_size": self.world}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.cursor.load_state(state["cursor"])
-        set_rng_state(state["rng"])
+        rng = state["rng"] if "rng" in state else state["rng_per_rank"][self.rank % len(state["rng_per_rank"])]
+        set_rng_state(rng)
         self.step = int(state["step"])
 
     def maybe_resume(self) -> bool:
@@ -268,6 +296,14 @@ class Trainer:
         if found is None:
             return False
         step, state = found
+        sharded = bool(state.get("distributed"))
+        if sharded != (self.world > 1):
+            raise ConfigError(
+                f"the checkpoint {self.out / 'checkpoints' / f'step_{step}'} was written by a "
+                f"{'torchrun/FSDP' if sharded else 'one-process'} run; resume it the same way "
+                f"({'torchrun --nproc_per_node N' if sharded else 'without torchrun'})")
+        if sharded:
+            load_distributed_state(self.out / "checkpoints" / f"step_{step}", self.model, self.optimizer)
         self.load_state_dict(state)
         self._sync_weights()
         if self.logger is not None:
@@ -298,16 +334,10 @@ class Trainer:
         return history
 
     def save(self) -> None:
-        state = self.state_dict()
-        if self.rank == 0:
-            save_checkpoint(self.out / "checkpoints", self.step, state, keep=self.cfg.trainer.keep_checkpoints)
+        root, keep = self.out / "checkpoints", self.cfg.trainer.keep_checkpoints
+        if self.world > 1:
+            save_distributed_checkpoint(root, self.step, self.model, self.optimizer, self._small_state(),
+                                        rank=self.rank, world=self.world, keep=keep)
+            return
+        save_checkpoint(root, self.step, self.state_dict(), keep=keep)
 
-
-def _gather_objects(objs: list, world: int) -> list:
-    if world == 1:
-        return objs
-    import torch.distributed as dist
-
-    out: list[list] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(out, objs)
-    return [o for part in out for o in part]

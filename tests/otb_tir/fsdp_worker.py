@@ -1,0 +1,54 @@
+"""A run of the real local trainer, for tests/otb_tir/test_fsdp.py; launched as one process or under
+``python -m torch.distributed.run --nproc_per_node N`` (FSDP2 on gloo).
+
+    python fsdp_worker.py [--kill-after-save STEP] key=value ...
+
+The reward is shaped (distinct response tokens / 4) so that even the random tiny policy gets a
+non-zero advantage and every step really moves the weights. ``--kill-after-save STEP``: every rank
+SIGKILLs itself right after the checkpoint of STEP is complete (a crash at a known point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def length_reward(text, ground_truth, traj):
+    return len(set(traj.response_ids)) / 4.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kill-after-save", type=int, default=None)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    from otb_tir.trainer import trainer as trainer_mod
+    from otb_tir.trainer.config import load_config
+    from otb_tir.trainer.run import run
+
+    if args.kill_after_save is not None:
+        save = trainer_mod.Trainer.save
+
+        def save_then_die(self):
+            save(self)
+            if self.step == args.kill_after_save:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer_mod.Trainer.save = save_then_die
+    cfg = load_config(None, args.overrides)
+    run(cfg, reward_fn=length_reward)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

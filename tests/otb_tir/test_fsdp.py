@@ -1,0 +1,264 @@
+"""The local trainer under torchrun with FSDP2, for real: 2 ranks on CPU/gloo, the tiny Qwen3 policy,
+real episodes with the calculator tool, a shaped reward so every step moves the weights.
+
+Runs once (module fixture), in subprocesses:
+  S  one process, 2 steps                       (the reference)
+  A  torchrun --nproc_per_node 2, 2 steps         (uninterrupted)
+  B  torchrun 2 ranks, every rank SIGKILLs itself right after the step-1 checkpoint, then
+     the same command with trainer.resume=true runs step 2.
+Micro-batches of one trajectory, so each rank accumulates gradients over several micro-batches
+(FSDP's gradient sync only on the last) and the token-mean's denominator must be the global one.
+One PPO mini-batch per step: the 2-rank step then uses exactly the rows of the one-process step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otb_tir.trainer.distributed import shard_items, shard_range
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+LR = 1e-2
+SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=24",
+         "rollout.max_tokens_per_turn=12", "multi_turn.max_assistant_turns=2", "multi_turn.tools=[calculator]",
+         "multi_turn.tool_timeout=60", "data.train_size=16", "eval.size=4", "eval.before=false", "eval.after=false",
+         "trainer.loggers=[jsonl]", f"actor.optim.lr={LR}", "actor.ppo_micro_batch_size=1", "trainer.total_steps=2",
+         "trainer.save_every=1", "trainer.keep_checkpoints=3", "trainer.device=cpu"]
+
+
+# ---------------------------------------------------------------------------------- unit tests
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 300), world=st.integers(1, 9))
+def test_shard_range_tiles_in_rank_order(n, world):
+    ranges = [shard_range(n, r, world) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, rank order
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_shard_range_rejects_bad_rank():
+    from otb_tir import ConfigError
+
+    with pytest.raises(ConfigError, match="rank 2"):
+        shard_range(4, 2, 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(groups=st.integers(1, 6), n=st.integers(1, 4), world=st.sampled_from([1, 2, 3]),
+       seed=st.integers(0, 10_000), estimator=st.sampled_from(["tir_optimal_token_baseline", "optimal_token_baseline",
+                                                                "grpo", "rloo"]))
+def test_advantages_of_rank_blocks_equal_the_whole_batch(groups, n, world, seed, estimator):
+    """Each rank's rows (whole uid groups, as the trainer splits prompts) give exactly the
+    advantages the one-process batch gives those rows: group baselines never need other ranks."""
+    from otb_tir.advantage import get_estimator
+
+    bs = groups * world  # the trainer requires train_batch_size % world == 0
+    g = torch.Generator().manual_seed(seed)
+    rows, R = bs * n, 7
+    mask = (torch.rand(rows, R, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    rewards = torch.zeros(rows, R)
+    last = (mask * torch.arange(R)).argmax(1)
+    rewards[torch.arange(rows), last] = torch.randint(0, 3, (rows,), generator=g).float()
+    logp = -torch.rand(rows, R, generator=g) * 3 * mask
+    spp = torch.rand(rows, R, generator=g) * mask
+    uid = np.array([f"u{i // n}" for i in range(rows)], dtype=object)
+    est = get_estimator(estimator)
+    kw = dict(handle_zero_tail=True, norm_adv_by_std_in_grpo=True)
+    whole, _ = est(token_level_rewards=rewards, response_mask=mask, index=uid, old_log_probs=logp,
+                   sum_pi_squared=spp, **kw)
+    parts = []
+    for r in range(world):
+        _, offset = shard_items(list(range(bs)), r, world)
+        k = len(shard_items(list(range(bs)), r, world)[0])
+        sl = slice(offset * n, (offset + k) * n)
+        adv, _ = est(token_level_rewards=rewards[sl], response_mask=mask[sl], index=uid[sl], old_log_probs=logp[sl],
+                     sum_pi_squared=spp[sl], **kw)
+        parts.append(adv)
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-6)
+
+
+def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_model_factory, tiny_tokenizer):
+    """Trainer._rollout of each rank's block (shard_items, offset) gives the uids and sampled
+    tokens of a one-process rollout of the whole batch: every uid group on exactly one rank."""
+    import asyncio
+
+    from agent_env import AgentEnv
+    from agent_env.data import make_split
+    from agent_env.engines.hf import HFEngine
+    from otb_tir.trainer.config import load_config
+    from otb_tir.trainer.run import build_optimizer
+    from otb_tir.trainer.trainer import Trainer, episode_config
+
+    cfg = load_config(None, SMALL + ["data.train_batch_size=4", f"trainer.output_dir={tmp_path}"])
+    model = tiny_model_factory()
+    engine = HFEngine(model, tiny_tokenizer, share_weights=True, seed=0, stop_at_eos=False)
+    env = AgentEnv(tiny_tokenizer, config=episode_config(cfg))
+    opt, sched = build_optimizer(cfg, model)
+    items = make_split("train", 4)
+    world = 2
+    trainers = [Trainer(cfg, model, opt, sched, engine, env, items, items, tmp_path, rank=r, world_size=world)
+                for r in range(world)]
+    try:
+        whole = trainers[0]._rollout(items, 2, seed=123)  # what one process rolls out (rank 0 of 1 would)
+        blocks = []
+        for r, tr in enumerate(trainers):
+            mine, offset = shard_items(items, r, world)
+            blocks += tr._rollout(mine, 2, seed=123, offset=offset).trajectories
+        assert [t.uid for t in blocks] == [t.uid for t in whole.trajectories]
+        assert [t.response_ids for t in blocks] == [t.response_ids for t in whole.trajectories]
+        assert len({t.uid for t in whole.trajectories}) == 4
+        # a uid's samples all come from one rank's block
+        per_rank = [{t.uid for t in tr_trajs} for tr_trajs in (blocks[:4], blocks[4:])]
+        assert not (per_rank[0] & per_rank[1])
+    finally:
+        asyncio.run(engine.close())
+        asyncio.run(env.close())
+
+
+def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
+    """Gradient accumulation: one mini-batch in 1 or 4 micro-batches gives the same update and the
+    same (token-mean) loss, entropy and grad-norm metrics."""
+    from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
+
+    g = torch.Generator().manual_seed(0)
+    B, P, R = 4, 6, 10
+    ids = torch.randint(5, 1500, (B, P + R), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(P + R).expand(B, -1),
+             "responses": ids[:, P:], "response_mask": (torch.rand(B, R, generator=g) > 0.2).float()}
+    out = {}
+    for micro in (1, 4):
+        torch.manual_seed(0)
+        model = tiny_model_factory()
+        s = ActorSettings(micro_batch_size=micro)
+        t = dict(batch)
+        t.update(compute_old_stats(model, t, s))
+        t["loss_mask"] = t["response_mask"]
+        t["advantages"] = torch.randn(B, R, generator=torch.Generator().manual_seed(1)) * t["loss_mask"]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        m = ppo_update(model, opt, t, [torch.arange(B)], s)
+        out[micro] = (m, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert out[1][0][k] == pytest.approx(out[4][0][k], rel=1e-5, abs=1e-7), k
+    assert out[1][0]["actor/entropy"] > 1.0  # a token-mean entropy, not divided by the micro-batch count
+    torch.testing.assert_close(out[1][1], out[4][1], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ torchrun (2 ranks)
+
+
+def _launch(args: list[str], nproc: int, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(WORKER), *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    base = SMALL + [f"model.path={tiny_model_dir}"]
+    out = {name: root / name for name in ("S", "A", "B")}
+    for name, nproc in (("S", 1), ("A", 2)):
+        done = _launch(base + [f"trainer.output_dir={out[name]}"], nproc)
+        assert done.returncode == 0, f"{name} failed:\n{done.stderr[-4000:]}"
+    killed = _launch(["--kill-after-save", "1", *base, f"trainer.output_dir={out['B']}"], 2)
+    assert killed.returncode != 0, "the run meant to die after its step-1 checkpoint finished"
+    ck = out["B"] / "checkpoints"
+    killed_state = {"step_1": (ck / "step_1" / "state.pt").is_file(), "step_2": (ck / "step_2").exists(),
+                    "final": (out["B"] / "final").exists()}
+    resumed = _launch(base + [f"trainer.output_dir={out['B']}", "trainer.resume=true"], 2)
+    assert resumed.returncode == 0, f"resume failed:\n{resumed.stderr[-4000:]}"
+    return out, killed_state
+
+
+def _ckpt_model(run: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
+    path = run / "checkpoints" / f"step_{step}"
+    if (path / "dcp").is_dir():  # FSDP run: read the DCP shards offline, strip the TokenStatsModule prefix
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dst = tmp / f"{run.name}_{step}.pt"
+        dcp_to_torch_save(path / "dcp", dst)
+        sd = torch.load(dst, weights_only=False)["model"]
+        return {k.removeprefix("model."): v for k, v in sd.items()}
+    return torch.load(path / "state.pt", weights_only=False)["model"]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_one_process_steps(runs, tmp_path, tiny_model_dir):
+    """(a) After each step the FSDP2 parameters equal the one-process ones (fp32), and every
+    metric computed over all ranks' rows equals the one-process value: same rollouts (weights
+    synced to each rank's engine), same advantages, same global token-mean gradient (grad norm)."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = runs
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for step in (1, 2):
+        s, a = _ckpt_model(out["S"], step, tmp_path), _ckpt_model(out["A"], step, tmp_path)
+        moved = _max_diff(s, {k: init[k] for k in s})
+        assert moved > 0.5 * LR * step  # Adam moves weights by ~lr per step: a real update
+        # Adam divides by sqrt(v) + 1e-8: reduction-order noise on near-zero gradients shows up as
+        # ~1e-5 here; a wrong gradient (a rank's rows lost, wrong sign) moves weights by ~lr = 1e-2
+        assert _max_diff(s, a) < 1e-4, step
+    ms, ma = _metrics(out["S"]), _metrics(out["A"])
+    assert [m["step"] for m in ma] == [1, 2]
+    for x, y in zip(ms, ma):
+        for key in ("reward/mean", "response/policy_tokens_mean", "advantages/std", "advantages/num_tokens",
+                    "actor/grad_norm", "actor/pg_loss", "actor/entropy", "variance_proxy/proxy2_total_power"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+        assert x["actor/grad_norm"] > 0 and x["advantages/std"] > 0
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_step(runs, tmp_path):
+    """(b) Every rank dies right after the step-1 checkpoint; the resumed run's step 2 (weights and
+    metrics) equals the uninterrupted 2-rank run's."""
+    out, killed = runs
+    assert killed == {"step_1": True, "step_2": False, "final": False}
+    assert [m["step"] for m in _metrics(out["B"])] == [1, 2]
+    for step in (1, 2):
+        assert _max_diff(_ckpt_model(out["A"], step, tmp_path), _ckpt_model(out["B"], step, tmp_path)) < 1e-6
+    for x, y in zip(_metrics(out["A"]), _metrics(out["B"])):
+        for key in ("reward/mean", "actor/grad_norm", "actor/pg_loss", "advantages/std"):
+            assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-9), key
+    state = torch.load(out["B"] / "checkpoints" / "step_2" / "state.pt", weights_only=False)
+    assert state["distributed"] and state["world_size"] == 2 and len(state["rng_per_rank"]) == 2
+    assert state["cursor"] == {"epoch": 0, "position": 4}
+
+
+@pytest.mark.slow
+def test_final_folder_is_a_plain_hf_model_with_the_trained_weights(runs, tmp_path):
+    """(c) final/ (written by rank 0 from its engine copy) loads with from_pretrained and holds the
+    weights of the last sharded update."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = runs
+    for name in ("A", "B"):
+        model = AutoModelForCausalLM.from_pretrained(out[name] / "final")
+        AutoTokenizer.from_pretrained(out[name] / "final")
+        assert _max_diff(model.state_dict(), _ckpt_model(out[name], 2, tmp_path)) == 0.0
+        summary = json.loads((out[name] / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["final_model"] == str(out[name] / "final")
