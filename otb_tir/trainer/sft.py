@@ -13,7 +13,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -169,10 +169,12 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def sft_train(model, examples: Sequence[SFTExample], pad_id: int, cfg: SFTConfig | None = None) -> list[float]:
+def sft_train(model, examples: Sequence[SFTExample], pad_id: int, cfg: SFTConfig | None = None,
+              callback: Callable[[int, float], None] | None = None) -> list[float]:
     """Train ``model`` in place with AdamW on shuffled mini-batches of ``examples``; returns the
     loss of every step. Batches are drawn without replacement (reshuffled each epoch) with a
-    ``random.Random(cfg.seed)`` so runs are reproducible."""
+    ``random.Random(cfg.seed)`` so runs are reproducible. ``callback(step, loss)`` is called after
+    every optimizer step (e.g. to save checkpoints); the model is in train mode then."""
     from tqdm.auto import tqdm
 
     cfg = cfg or SFTConfig()
@@ -204,5 +206,7 @@ def sft_train(model, examples: Sequence[SFTExample], pad_id: int, cfg: SFTConfig
         losses.append(float(loss.detach()))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if callback is not None:
+            callback(step + 1, losses[-1])
     model.eval()
     return losses

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -39,7 +40,7 @@ from otb_tir.trainer.sft import SFTConfig, SFTExample, sft_train, tokenize_conve
 logger = logging.getLogger(__name__)
 
 #: Bump when trace generation or training code changes: cached folders are keyed on it.
-WARM_VERSION = 1
+WARM_VERSION = 2
 #: The tools of the default recipe, in the order an episode lists them.
 DEFAULT_TOOLS = ("python", "calculator")
 #: Kinds whose expression Python's ``print`` evaluates to the exact answer.
@@ -47,22 +48,85 @@ _PYTHON_KINDS = ("mul", "add", "pow", "mod")
 _MARKER = "otb_tir_warm_start.json"
 
 
+#: Default per-kind probability that a trace uses a tool (the rest are direct guesses): kinds
+#: where the warm start mostly calls a tool, and "guess-leaning" kinds where greedy decoding
+#: guesses (and is wrong) but sampling at T=1 still calls the tool often enough for RL to
+#: reinforce it.
+DEFAULT_TOOL_SHARE: dict[str, float] = {
+    "linear": 0.9, "pow": 0.9, "mod": 0.9,
+    "mul": 0.3, "add": 0.3, "div": 0.3, "frac": 0.3, "quadratic": 0.3,
+}
+
+
 @dataclass(frozen=True)
 class TraceMixture:
-    """Relative weights of the trace types, and how often a direct guess is right."""
+    """Relative weights of the trace types, and how often a direct guess is right.
 
-    tool: float = 0.40
-    python: float = 0.15
-    guess: float = 0.35
-    wrong_tool: float = 0.10
+    ``tool_share`` (per problem kind, in [0, 1]) overrides the weights' overall tool share for the
+    kinds it names: a trace of such a kind uses a tool with that probability (split between
+    ``tool``, ``python`` and ``wrong_tool`` in their weights' proportions) and guesses otherwise.
+    """
+
+    tool: float = 0.9
+    python: float = 0.1
+    guess: float = 1.0
+    wrong_tool: float = 0.0
     guess_right: float = 0.25
+    tool_share: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TOOL_SHARE))
 
     def validate(self) -> None:
         weights = (self.tool, self.python, self.guess, self.wrong_tool)
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
+        if any(not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"trace mixture weights must be >= 0 with a positive sum, got {self}")
         if not 0 <= self.guess_right <= 1:
             raise ConfigError(f"guess_right must be in [0, 1], got {self.guess_right}")
+        from agent_env.data import KINDS
+
+        for kind, share in self.tool_share.items():
+            if kind not in KINDS:
+                raise ConfigError(f"tool_share names unknown problem kind {kind!r}; kinds: {', '.join(KINDS)}")
+            if not isinstance(share, (int, float)) or not 0 <= share <= 1:
+                raise ConfigError(f"tool_share[{kind!r}] must be in [0, 1], got {share!r}")
+        if any(self.tool_share.get(k, 0) > 0 for k in KINDS) and self.tool + self.python + self.wrong_tool <= 0:
+            raise ConfigError("tool_share > 0 needs a positive tool, python or wrong_tool weight")
+
+    def mode_weights(self, kind: str) -> dict[str, float]:
+        """Probabilities of ``tool`` / ``python`` / ``guess`` / ``wrong_tool`` for one problem kind."""
+        w = {"tool": self.tool, "python": self.python if kind in _PYTHON_KINDS else 0.0,
+             "guess": self.guess, "wrong_tool": self.wrong_tool}
+        if kind in self.tool_share:
+            tools = w["tool"] + w["python"] + w["wrong_tool"]
+            share = self.tool_share[kind] if tools > 0 else 0.0
+            w = {m: (v / tools * share if tools > 0 else 0.0) for m, v in w.items() if m != "guess"} | {"guess": 1 - share}
+        total = sum(w.values())
+        if total <= 0:
+            return {"tool": 1.0, "python": 0.0, "guess": 0.0, "wrong_tool": 0.0}
+        return {m: v / total for m, v in w.items()}
+
+
+_EQUATION = re.compile(r"(?:Solve for x: |Find x if |solution of |largest x with )(.+ = -?\d+)[.?]$")
+
+
+def reference_call(item: dict[str, Any]) -> tuple[str, str]:
+    """The ``calculator`` expression a trace uses for a built-in problem: the question's equation
+    copied verbatim for ``linear`` / ``quadratic`` (the calculator solves ``=``; the answer is the
+    last root it prints), else ``extra_info["expression"]`` (its numbers are the question's, in
+    order). Returns ``("calculator", expression)``."""
+    info = item["extra_info"]
+    if info.get("kind") in ("linear", "quadratic"):
+        m = _EQUATION.search(info.get("question", ""))
+        if m:
+            return "calculator", m.group(1)
+    return "calculator", info["expression"]
+
+
+def final_answer_from_result(result: str) -> str:
+    """What a trace boxes after a tool call: the tool output, or for an equation's solutions
+    (``x = -12, x = 5``) the last (largest) root."""
+    text = result.strip()
+    if text.startswith("x = "):
+        return text.rsplit("x = ", 1)[-1].strip()
+    return text
 
 
 def tool_schemas(names: Sequence[str] = DEFAULT_TOOLS) -> list[dict[str, Any]]:
@@ -99,18 +163,15 @@ def plan_trace(item: dict[str, Any], rng: random.Random, mixture: TraceMixture) 
     kind = item["extra_info"]["kind"]
     expr = item["extra_info"]["expression"]
     truth = item["reward_model"]["ground_truth"]
-    weights = {"tool": mixture.tool, "python": mixture.python if kind in _PYTHON_KINDS else 0.0,
-               "guess": mixture.guess, "wrong_tool": mixture.wrong_tool}
-    if sum(weights.values()) <= 0:
-        weights["tool"] = 1.0
-    modes, w = zip(*weights.items())
+    modes, w = zip(*mixture.mode_weights(kind).items())
     mode = rng.choices(modes, weights=w)[0]
+    name, call_expr = reference_call(item)
     if mode == "tool":
-        return _Plan(item, mode, {"name": "calculator", "arguments": {"expression": expr}})
+        return _Plan(item, mode, {"name": name, "arguments": {"expression": call_expr}})
     if mode == "python":
         return _Plan(item, mode, {"name": "python", "arguments": {"code": f"print({expr})"}})
     if mode == "wrong_tool":
-        return _Plan(item, mode, {"name": "calculator", "arguments": {"expression": _perturb_number(expr, rng)}})
+        return _Plan(item, mode, {"name": name, "arguments": {"expression": _perturb_number(call_expr, rng)}})
     answer = truth if rng.random() < mixture.guess_right else _perturb_number(truth, rng)
     return _Plan(item, mode, answer=answer)
 
@@ -129,7 +190,7 @@ def plan_messages(plan: _Plan) -> list[dict[str, Any]]:
     messages.append({"role": "assistant", "content": "",
                      "tool_calls": [{"type": "function", "function": plan.call}]})
     messages.append({"role": "tool", "content": plan.result})
-    messages.append(_final(plan.result.strip()))
+    messages.append(_final(final_answer_from_result(plan.result)))
     return messages
 
 
@@ -169,12 +230,42 @@ def make_traces(n: int, seed: int = 0, mixture: TraceMixture | None = None) -> l
 
 @dataclass(frozen=True)
 class WarmStartSettings:
-    steps: int = 300
-    batch_size: int = 16
-    lr: float = 3e-3
-    n_traces: int = 2000
+    """Everything that determines a warm start (its cache key, with the base model's config)."""
+
+    steps: int = 1200
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 1.0  # learning rate after the cosine decay, relative to ``lr`` (1 = constant)
+    n_traces: int = 3000
     seed: int = 0
+    hidden_size: int = 256  # the built-in base model's size (ignored with an explicit ``base``)
+    layers: int = 4
     mixture: TraceMixture = field(default_factory=TraceMixture)
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "n_traces", "hidden_size", "layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"warm start {name} must be a positive int, got {value!r}")
+        if self.hidden_size % 64:
+            raise ConfigError(f"warm start hidden_size must be a multiple of 64 (the head size), got {self.hidden_size}")
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
+            raise ConfigError(f"warm start warmup_steps must be in [0, steps), got {self.warmup_steps!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"warm start min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        self.mixture.validate()
+        self.sft_config().validate()
+
+    def sft_config(self, progress: bool = False) -> SFTConfig:
+        return SFTConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, seed=self.seed,
+                         warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio, progress=progress)
+
+    def base_model_overrides(self) -> dict[str, int]:
+        """Keyword arguments of ``agent_env.tiny.tiny_policy_dir`` for this base size."""
+        return {"hidden_size": self.hidden_size, "layers": self.layers, "heads": self.hidden_size // 64,
+                "kv_heads": max(1, self.hidden_size // 128), "head_dim": 64,
+                "intermediate_size": 3 * self.hidden_size}
 
 
 def _default_cache_root() -> Path:
@@ -183,30 +274,34 @@ def _default_cache_root() -> Path:
     return default_cache_root()
 
 
-def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int = 300, seed: int = 0,
-                      n_traces: int = 2000, batch_size: int = 16, lr: float = 3e-3,
-                      mixture: TraceMixture | None = None, base: str | os.PathLike | None = None,
-                      progress: bool = True) -> Path:
+def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int | None = None,
+                      seed: int = 0, n_traces: int | None = None, batch_size: int | None = None,
+                      lr: float | None = None, hidden_size: int | None = None, layers: int | None = None,
+                      warmup_steps: int | None = None, mixture: TraceMixture | None = None,
+                      base: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """The tiny policy after a short SFT on generated traces: an HF folder (model + tokenizer with
     its chat template) loadable by ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM.
 
-    Built once and cached as ``<cache root>/warm-<hash of every setting>`` (``cache_dir``
-    overrides the root, default ``$OTB_TIR_CACHE`` or ``~/.cache/otb_tir``); the folder is written
-    to a temporary sibling and renamed into place. ``base`` is the folder to start from (default:
-    ``agent_env.tiny.tiny_policy_dir(cache_dir)``). A ``otb_tir_warm_start.json`` in the folder
-    records the settings, the loss curve and the training time.
+    Arguments left as ``None`` take :class:`WarmStartSettings`' defaults. Built once and cached as
+    ``<cache root>/warm-<hash of every setting>`` (``cache_dir`` overrides the root, default
+    ``$OTB_TIR_CACHE`` or ``~/.cache/otb_tir``); the folder is written to a temporary sibling and
+    renamed into place. ``base`` is the folder to start from (default: the built-in tiny model of
+    ``hidden_size`` × ``layers``, ``agent_env.tiny.tiny_policy_dir(cache_dir, ...)``). A
+    ``otb_tir_warm_start.json`` in the folder records the settings, the loss curve and the build
+    times. Bad settings raise :class:`ConfigError` before any work.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_env.tiny import tiny_policy_dir
 
-    settings = WarmStartSettings(steps=steps, batch_size=batch_size, lr=lr, n_traces=n_traces,
-                                 seed=seed, mixture=mixture or TraceMixture())
-    settings.mixture.validate()
-    SFTConfig(steps=steps, batch_size=batch_size, lr=lr).validate()
+    given = {"steps": steps, "n_traces": n_traces, "batch_size": batch_size, "lr": lr,
+             "hidden_size": hidden_size, "layers": layers, "warmup_steps": warmup_steps}
+    settings = WarmStartSettings(seed=seed, mixture=mixture or TraceMixture(),
+                                 **{k: v for k, v in given.items() if v is not None})
+    settings.validate()
     root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
-    base_path = Path(base) if base is not None else tiny_policy_dir(cache_dir)
+    base_path = Path(base) if base is not None else tiny_policy_dir(cache_dir, **settings.base_model_overrides())
     if not (base_path / "config.json").is_file():
         raise ConfigError(f"base policy folder {base_path} has no config.json (not an HF model folder)")
     schemas = tool_schemas()
@@ -221,11 +316,11 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    logger.info("warm start: generating %d traces", n_traces)
-    traces = make_traces(n_traces, seed=seed, mixture=settings.mixture)
+    logger.info("warm start: generating %d traces", settings.n_traces)
+    traces = make_traces(settings.n_traces, seed=seed, mixture=settings.mixture)
     examples = [tokenize_conversation(tokenizer, m, tools=schemas) for m in traces]
     t1 = time.perf_counter()
-    cfg = SFTConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed, progress=progress)
+    cfg = settings.sft_config(progress=progress)
     losses = sft_train(model, examples, tokenizer.pad_token_id, cfg)
     t2 = time.perf_counter()
 
@@ -266,6 +361,11 @@ class ToolUseReport:
     well_formed_rate: float  # tool-call attempts that parse, name a known tool and its argument
     tool_success_rate: float  # executed calls that returned ok
     by_kind: dict[str, float] = field(default_factory=dict)  # accuracy with tools, per problem kind
+    #: per problem kind: ``n``, ``accuracy``, ``tool_call_rate`` (first turn calls a tool),
+    #: ``call_exact`` (of first calls: the argument is the reference call, or its result contains the
+    #: answer), ``copy_out`` (of episodes whose first call returned the answer: the boxed answer is
+    #: right), ``guess_rate`` / ``guess_accuracy`` (first turn answers without a tool)
+    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 async def _evaluate(path: Path, items: list[dict[str, Any]], temperature: float, max_turns: int,
@@ -287,6 +387,8 @@ async def _evaluate(path: Path, items: list[dict[str, Any]], temperature: float,
     convs = [[dict(m) for m in it["prompt"]] for it in items]
     final: list[str | None] = [None] * len(items)
     first_call = [False] * len(items)
+    first_args: list[dict[str, Any] | None] = [None] * len(items)
+    first_result: list[str | None] = [None] * len(items)
     first_correct = [False] * len(items)
     attempts = well_formed = executed = succeeded = 0
     active = list(range(len(items)))
@@ -307,6 +409,8 @@ async def _evaluate(path: Path, items: list[dict[str, Any]], temperature: float,
                 calls = parser.parse(reply) if "<tool_call>" in reply else []
                 if turn == 0:
                     first_call[i] = bool(calls)
+                    if calls:
+                        first_args[i] = {"name": calls[0].name, **calls[0].arguments}
                     if not calls:
                         first_correct[i] = math_reward(reply, items[i]["reward_model"]["ground_truth"]).correct
                 if not calls:
@@ -324,6 +428,8 @@ async def _evaluate(path: Path, items: list[dict[str, Any]], temperature: float,
                         executed += 1
                         succeeded += int(res.ok)
                         text = res.text
+                        if turn == 0 and c is calls[0]:
+                            first_result[i] = text
                     else:
                         text = f"Error: malformed tool call ({c.error_message or 'unknown tool or missing argument'})"
                     convs[i].append({"role": "tool", "content": text})
@@ -337,13 +443,52 @@ async def _evaluate(path: Path, items: list[dict[str, Any]], temperature: float,
     kinds: dict[str, list[bool]] = {}
     for it, ok in zip(items, correct):
         kinds.setdefault(it["extra_info"].get("kind", "?"), []).append(ok)
+    breakdown = _breakdown(items, correct, first_call, first_correct, first_args, first_result)
     n = len(items)
     return ToolUseReport(
         n=n, temperature=temperature, accuracy=sum(correct) / n,
         accuracy_without_tools=sum(first_correct) / n, tool_call_rate=sum(first_call) / n,
         well_formed_rate=well_formed / attempts if attempts else 0.0,
         tool_success_rate=succeeded / executed if executed else 0.0,
-        by_kind={k: sum(v) / len(v) for k, v in sorted(kinds.items())})
+        by_kind={k: sum(v) / len(v) for k, v in sorted(kinds.items())}, breakdown=breakdown)
+
+
+def _numbers(text: str | None) -> list[str]:
+    return re.findall(r"-?\d+(?:/\d+)?", text or "")
+
+
+def _breakdown(items, correct, first_call, first_correct, first_args, first_result) -> dict[str, dict[str, float]]:
+    """Where the errors are, per problem kind: translating/copying the question into the call,
+    copying the result out, or guessing."""
+    rows: dict[str, dict[str, int]] = {}
+    for i, it in enumerate(items):
+        kind = it["extra_info"].get("kind", "?")
+        truth = it["reward_model"]["ground_truth"]
+        r = rows.setdefault(kind, {"n": 0, "correct": 0, "calls": 0, "exact": 0, "answer_in_result": 0,
+                                   "copied_out": 0, "guesses": 0, "guesses_right": 0})
+        r["n"] += 1
+        r["correct"] += int(correct[i])
+        if first_call[i]:
+            r["calls"] += 1
+            refs = {reference_call(it)[1], f"print({it['extra_info'].get('expression')})"}
+            arg = first_args[i] or {}
+            given = arg.get("expression", arg.get("code"))
+            has_answer = first_result[i] is not None and _numbers(first_result[i])[-1:] == [truth]
+            r["exact"] += int(isinstance(given, str) and given.replace(" ", "") in {x.replace(" ", "") for x in refs}
+                              or has_answer)
+            r["answer_in_result"] += int(has_answer)
+            r["copied_out"] += int(has_answer and correct[i])
+        else:
+            r["guesses"] += 1
+            r["guesses_right"] += int(first_correct[i])
+    out = {}
+    for kind, r in sorted(rows.items()):
+        out[kind] = {"n": r["n"], "accuracy": r["correct"] / r["n"], "tool_call_rate": r["calls"] / r["n"],
+                     "call_exact": r["exact"] / r["calls"] if r["calls"] else float("nan"),
+                     "copy_out": r["copied_out"] / r["answer_in_result"] if r["answer_in_result"] else float("nan"),
+                     "guess_rate": r["guesses"] / r["n"],
+                     "guess_accuracy": r["guesses_right"] / r["guesses"] if r["guesses"] else float("nan")}
+    return out
 
 
 def evaluate_tool_use(path: str | os.PathLike, items: list[dict[str, Any]], *, temperature: float = 1.0,
@@ -363,10 +508,14 @@ def main(argv: list[str] | None = None) -> None:
     from agent_env.data import make_split
 
     ap = argparse.ArgumentParser(description="Build (or reuse) the cached warm-start policy and check it.")
-    ap.add_argument("--steps", type=int, default=WarmStartSettings.steps)
-    ap.add_argument("--n-traces", type=int, default=WarmStartSettings.n_traces)
-    ap.add_argument("--batch-size", type=int, default=WarmStartSettings.batch_size)
-    ap.add_argument("--lr", type=float, default=WarmStartSettings.lr)
+    d = WarmStartSettings()
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--n-traces", type=int, default=d.n_traces)
+    ap.add_argument("--batch-size", type=int, default=d.batch_size)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    ap.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    ap.add_argument("--layers", type=int, default=d.layers)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--check", type=int, default=0, metavar="N", help="evaluate on N held-out problems")
@@ -374,12 +523,25 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.perf_counter()
     path = warm_start_policy(args.cache_dir, steps=args.steps, seed=args.seed, n_traces=args.n_traces,
-                             batch_size=args.batch_size, lr=args.lr)
+                             batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                             hidden_size=args.hidden_size, layers=args.layers)
     logger.info("policy: %s (%.1f s)", path, time.perf_counter() - t)
     if args.check:
         items = make_split("test", args.check, seed=0)
         for temp in (0.0, 1.0):
-            logger.info("%s", json.dumps(asdict(evaluate_tool_use(path, items, temperature=temp))))
+            report = asdict(evaluate_tool_use(path, items, temperature=temp))
+            breakdown = report.pop("breakdown")
+            logger.info("%s", json.dumps(report))
+            logger.info("%s", format_breakdown(breakdown))
+
+
+def format_breakdown(breakdown: dict[str, dict[str, float]]) -> str:
+    """The per-kind figures of :class:`ToolUseReport` as a text table."""
+    cols = ["n", "accuracy", "tool_call_rate", "call_exact", "copy_out", "guess_rate", "guess_accuracy"]
+    lines = [f"{'kind':10s} " + " ".join(f"{c:>14s}" for c in cols)]
+    for kind, row in breakdown.items():
+        lines.append(f"{kind:10s} " + " ".join(f"{row[c]:>14.2f}" if c != "n" else f"{row[c]:>14d}" for c in cols))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

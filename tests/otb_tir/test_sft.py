@@ -13,8 +13,8 @@ from agent_env.data import make_split
 from agent_env.tiny import build_tiny_model, tiny_policy_dir
 from otb_tir import ConfigError
 from otb_tir.trainer.sft import SFTConfig, collate, masked_lm_loss, sft_train, tokenize_conversation
-from otb_tir.trainer.warm_start import (TraceMixture, _perturb_number, make_traces, plan_messages,
-                                        plan_trace, tool_schemas)
+from otb_tir.trainer.warm_start import (TraceMixture, _perturb_number, final_answer_from_result, make_traces,
+                                        plan_messages, plan_trace, reference_call, tool_schemas)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_few_steps_reduce_loss(tokenizer, schemas):
     rng = random.Random(1)
     examples = []
     for item in make_split("train", 16, seed=9):
-        plan = plan_trace(item, rng, TraceMixture(tool=1, python=0, guess=0, wrong_tool=0))
+        plan = plan_trace(item, rng, TraceMixture(tool=1, python=0, guess=0, wrong_tool=0, tool_share={}))
         plan.result = item["reward_model"]["ground_truth"]
         # no tools= (no system prompt): short sequences keep this test fast
         examples.append(tokenize_conversation(tokenizer, plan_messages(plan)))
@@ -154,28 +154,29 @@ def test_perturb_number_changes_one_digit():
 
 
 def test_make_traces_use_real_tool_results():
-    traces = make_traces(12, seed=0, mixture=TraceMixture(tool=1, python=1, guess=1, wrong_tool=1))
+    traces = make_traces(16, seed=0, mixture=TraceMixture(tool=1, python=1, guess=1, wrong_tool=1, tool_share={}))
     kinds = set()
-    items = make_split("train", 12, seed=0)
+    items = make_split("train", 16, seed=0)
     for item, messages in zip(items, traces):
         assert messages[0] == item["prompt"][0]
         if len(messages) == 2:
             kinds.add("guess")
             continue
         call = messages[1]["tool_calls"][0]["function"]
-        result = messages[2]["content"].strip()
-        assert messages[3]["content"] == f"The answer is \\boxed{{{result}}}."
+        result = messages[2]["content"]
+        boxed = final_answer_from_result(result)
+        assert messages[3]["content"] == f"The answer is \\boxed{{{boxed}}}."
         truth = item["reward_model"]["ground_truth"]
         if call["name"] == "python":
             kinds.add("python")
             assert call["arguments"]["code"] == f"print({item['extra_info']['expression']})"
-            assert result == truth
-        elif call["arguments"]["expression"] == item["extra_info"]["expression"]:
+            assert boxed == truth
+        elif call["arguments"]["expression"] == reference_call(item)[1]:
             kinds.add("tool")
-            assert result == truth
+            assert boxed == truth
         else:
             kinds.add("wrong_tool")
-            assert result != truth
+            assert boxed != truth
     assert len(kinds) >= 3
 
 
@@ -184,7 +185,8 @@ def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatc
     from otb_tir.trainer import warm_start
 
     base = tiny_policy_dir()
-    path = warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, base=base, progress=False)
+    path = warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, warmup_steps=1, base=base,
+                                         progress=False)
     assert path.parent == tmp_path and (path / "otb_tir_warm_start.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
     tok = AutoTokenizer.from_pretrained(path)
@@ -195,7 +197,7 @@ def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatc
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), base_model.parameters()))
     # a second call with the same settings reuses the folder without training
     monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
-    assert warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, base=base) == path
+    assert warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, warmup_steps=1, base=base) == path
     # bad settings fail before any work
     with pytest.raises(ConfigError):
         warm_start.warm_start_policy(tmp_path, steps=0, base=base)

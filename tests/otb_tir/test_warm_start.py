@@ -1,0 +1,153 @@
+"""Warm start: per-kind trace mixture statistics, reference calls checked by the real calculator
+and sympy, the per-kind diagnostic, the cache key, and bad settings."""
+
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import sympy
+
+from agent_env.data import KINDS, make_split
+from otb_tir import ConfigError
+from otb_tir.trainer import warm_start
+from otb_tir.trainer.warm_start import (DEFAULT_TOOL_SHARE, TraceMixture, WarmStartSettings, _breakdown,
+                                        final_answer_from_result, make_traces, plan_trace, reference_call)
+
+
+def _sympy_value(expr: str) -> Fraction:
+    """Independent oracle: the (largest real) value of a reference call, by sympy directly."""
+    x = sympy.Symbol("x")
+    if "=" in expr:
+        lhs, rhs = expr.split("=")
+        roots = sympy.solve(sympy.sympify(lhs) - sympy.sympify(rhs), x)
+        value = max(roots)
+    else:
+        value = sympy.sympify(expr.replace("%", " % "))
+    value = sympy.nsimplify(value)
+    return Fraction(int(value.p), int(value.q))
+
+
+def test_per_kind_tool_shares_match_the_mixture():
+    """Binomial check: over 4,000 planned traces the tool share of every kind is within 4.5
+    standard deviations of its setting, and tool traces split between calculator and python as
+    the weights say (python only where print() gives the exact answer)."""
+    mixture = TraceMixture()
+    rng = random.Random(3)
+    counts: dict[str, list[int]] = {}
+    modes: dict[str, int] = {}
+    for item in make_split("train", 4000, seed=11):
+        plan = plan_trace(item, rng, mixture)
+        kind = item["extra_info"]["kind"]
+        c = counts.setdefault(kind, [0, 0])
+        c[0] += 1
+        c[1] += plan.call is not None
+        modes[plan.mode] = modes.get(plan.mode, 0) + 1
+        if plan.mode == "python":
+            assert kind in ("mul", "add", "pow", "mod")
+    assert set(counts) == set(KINDS)
+    for kind, (n, tools) in counts.items():
+        p = mixture.tool_share[kind]
+        assert abs(tools / n - p) <= 4.5 * math.sqrt(p * (1 - p) / n) + 1e-9, (kind, tools / n, p)
+    assert "wrong_tool" not in modes  # default: no corrupted calls
+    # the defaults really differ by kind: some tool-leaning, some guess-leaning
+    assert max(DEFAULT_TOOL_SHARE.values()) >= 0.8 and min(DEFAULT_TOOL_SHARE.values()) <= 0.4
+
+
+def test_mode_weights():
+    m = TraceMixture(tool=3, python=1, guess=4, wrong_tool=0, tool_share={"mul": 0.5})
+    w = m.mode_weights("mul")
+    assert w == pytest.approx({"tool": 0.375, "python": 0.125, "guess": 0.5, "wrong_tool": 0.0})
+    # kinds not in tool_share use the weights as they are; python only for print()-exact kinds
+    assert m.mode_weights("add") == pytest.approx({"tool": 3 / 8, "python": 1 / 8, "guess": 0.5, "wrong_tool": 0})
+    assert m.mode_weights("frac") == pytest.approx({"tool": 3 / 7, "python": 0.0, "guess": 4 / 7, "wrong_tool": 0})
+    assert sum(TraceMixture().mode_weights("quadratic").values()) == pytest.approx(1.0)
+
+
+def test_reference_calls_give_the_answer():
+    """Every kind's reference call, run by the real calculator, leads to the ground truth; the
+    reference value also equals the truth by sympy directly; equations are copied verbatim
+    from the question."""
+    items = [it for kind in KINDS for it in make_split("train", 3, seed=5, kinds=[kind])]
+    for it in items:
+        name, expr = reference_call(it)
+        assert name == "calculator"
+        truth = it["reward_model"]["ground_truth"]
+        assert _sympy_value(expr) == Fraction(truth)
+        if it["extra_info"]["kind"] in ("linear", "quadratic"):
+            assert expr in it["extra_info"]["question"] and " = " in expr
+            assert expr != it["extra_info"]["expression"]
+        else:
+            assert expr == it["extra_info"]["expression"]
+    mixture = TraceMixture(tool=1, python=0, guess=0, tool_share={})
+    traces = make_traces(len(items), seed=0, mixture=mixture)  # make_split("train", n, seed=0) items
+    for messages, item in zip(traces, make_split("train", len(items), seed=0)):
+        assert messages[1]["tool_calls"][0]["function"]["arguments"]["expression"] == reference_call(item)[1]
+        assert messages[3]["content"] == f"The answer is \\boxed{{{item['reward_model']['ground_truth']}}}."
+
+
+def test_final_answer_from_result():
+    assert final_answer_from_result("x = -12, x = 5") == "5"
+    assert final_answer_from_result("x = 437") == "437"
+    assert final_answer_from_result("279936\n") == "279936"
+    assert final_answer_from_result("41/28") == "41/28"
+
+
+def test_breakdown_counts():
+    items = [{"extra_info": {"kind": "mul", "expression": "12*34", "question": "What is 12 times 34?"},
+              "reward_model": {"ground_truth": "408"}} for _ in range(4)]
+    correct = [True, False, False, True]
+    first_call = [True, True, True, False]
+    first_correct = [False, False, False, True]
+    first_args = [{"name": "calculator", "expression": "12 * 34"}, {"name": "calculator", "expression": "12*35"},
+                  {"name": "python", "code": "print(12*34)"}, None]
+    first_result = ["408", "420", "408\n", None]
+    row = _breakdown(items, correct, first_call, first_correct, first_args, first_result)["mul"]
+    assert row["n"] == 4 and row["accuracy"] == 0.5 and row["tool_call_rate"] == 0.75
+    assert row["call_exact"] == pytest.approx(2 / 3)  # "12 * 34" and print(12*34); not 12*35
+    assert row["copy_out"] == 0.5  # 2 calls returned the answer, 1 of them boxed it
+    assert row["guess_rate"] == 0.25 and row["guess_accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [
+    dict(steps=0), dict(batch_size=-1), dict(n_traces=0), dict(hidden_size=100), dict(layers=0),
+    dict(lr=0.0), dict(warmup_steps=10, steps=10), dict(mixture=TraceMixture(tool=-1)),
+    dict(mixture=TraceMixture(tool_share={"cubic": 0.5})), dict(mixture=TraceMixture(tool_share={"mul": 1.5})),
+    dict(mixture=TraceMixture(guess_right=2.0)),
+    dict(mixture=TraceMixture(tool=0, python=0, wrong_tool=0, guess=1, tool_share={"mul": 0.5})),
+])
+def test_bad_settings_raise_config_error(bad, tmp_path, monkeypatch):
+    from agent_env.tiny import tiny_policy_dir
+
+    monkeypatch.setattr(warm_start, "make_traces", lambda *a, **k: pytest.fail("worked on bad settings"))
+    with pytest.raises(ConfigError):
+        warm_start.warm_start_policy(tmp_path, base=tiny_policy_dir(), progress=False, **bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_base_without_config_raises(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        warm_start.warm_start_policy(tmp_path, base=tmp_path, progress=False)
+
+
+def test_cache_key_same_settings_same_folder(tmp_path, monkeypatch):
+    """Same settings → the cached folder is reused (no training); a different setting → a new folder."""
+    from agent_env.tiny import tiny_policy_dir
+
+    base = tiny_policy_dir()
+    kw = dict(steps=2, n_traces=6, batch_size=3, warmup_steps=1, base=base, progress=False)
+    first = warm_start.warm_start_policy(tmp_path, **kw)
+    assert (first / "otb_tir_warm_start.json").is_file()
+    monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
+    assert warm_start.warm_start_policy(tmp_path, **kw) == first
+    monkeypatch.undo()
+    other = warm_start.warm_start_policy(tmp_path, **{**kw, "mixture": TraceMixture(tool_share={"mul": 0.5})})
+    assert other != first and other.parent == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
+
+
+def test_default_settings_are_valid():
+    WarmStartSettings().validate()
+    TraceMixture().validate()
