@@ -28,18 +28,26 @@ import gc
 import io
 import json
 import linecache
+import random as _random_mod
 import os
 import resource
 import select
 import shutil
 import signal
 import struct
+import _signal
 import sys
 import time
 import traceback
 
 _HDR = struct.Struct(">I")
 SNIPPET = "<snippet>"
+ARM_TIMEOUT_S = 10.0
+_SIGINT, _SIGTERM, _SIGCHLD, _SIGXFSZ = (int(signal.SIGINT), int(signal.SIGTERM),
+                                         int(signal.SIGCHLD), int(signal.SIGXFSZ))
+_LIBC_FORK = ctypes.PyDLL(None, use_errno=True).fork  # keeps the GIL: see Worker._fork
+_LIBC_FORK.restype = ctypes.c_int
+_LIBC_FORK.argtypes = []
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -163,13 +171,14 @@ class CompiledFilter:
         self.buf = ctypes.create_string_buffer(bpf, len(bpf))
         self.prog = _SockFprog(len(bpf) // 8, ctypes.addressof(self.buf))
         self.n_instructions = len(bpf) // 8
+        self.prog_addr = ctypes.addressof(self.prog)
+        self.prctl = libc.prctl  # argtypes set by the Worker (c_int + 4 x c_ulong)
 
     def load(self) -> None:
-        ul = ctypes.c_ulong
-        if self.libc.prctl(self.PR_SET_NO_NEW_PRIVS, ul(1), ul(0), ul(0), ul(0)) != 0:
+        prctl = self.prctl
+        if prctl(self.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-        if self.libc.prctl(self.PR_SET_SECCOMP, ul(self.SECCOMP_MODE_FILTER),
-                           ul(ctypes.addressof(self.prog)), ul(0), ul(0)) != 0:
+        if prctl(self.PR_SET_SECCOMP, self.SECCOMP_MODE_FILTER, self.prog_addr, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
 
 
@@ -235,10 +244,11 @@ def run_snippet(code: str, g: dict) -> str:
 
 # --------------------------------------------------------------------------- the worker
 class Child:
-    __slots__ = ("pid", "req_w", "out_r", "st_r")
+    __slots__ = ("pid", "req_w", "out_r", "st_r", "armed")
 
     def __init__(self, pid: int, req_w: int, out_r: int, st_r: int) -> None:
         self.pid, self.req_w, self.out_r, self.st_r = pid, req_w, out_r, st_r
+        self.armed = False
 
     def close_fds(self) -> None:
         for fd in (self.req_w, self.out_r, self.st_r):
@@ -254,15 +264,38 @@ class Worker:
         self.uid: int | None = cfg.get("uid")
         self.scratch: str = cfg.get("scratch", "/tmp/scratch")
         self.stateful: bool = bool(cfg.get("stateful", False))
+        # debug: per-call timestamps and page-fault counts in each reply (benchmarks/bench_sandbox.py)
+        self.profile: bool = bool(cfg.get("profile", False))
+        self.prof: dict = {}
+        self._stamps: list = []
         self.libc = ctypes.CDLL(None, use_errno=True)
+        self._prctl = self.libc.prctl
+        self._prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                                ctypes.c_ulong]
+        self._prctl.restype = ctypes.c_int
+        mb = 1024 * 1024
+        self.rlimits: list[tuple[int, int]] = [(resource.RLIMIT_CORE, 0)]
+        if cfg.get("fsize_mb"):
+            self.rlimits.append((resource.RLIMIT_FSIZE, int(cfg["fsize_mb"] * mb)))
+        if cfg.get("nofile"):
+            self.rlimits.append((resource.RLIMIT_NOFILE, int(cfg["nofile"])))
+        self.memory_bytes = int(cfg["memory_mb"] * mb) if cfg.get("memory_mb") else 0
+        self.nproc = int(cfg["nproc"]) if cfg.get("nproc") else 0
+        self.raw_fork = bool(cfg.get("raw_fork", True)) and _single_threaded()
+        self.child_stdio = (
+            io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                             errors="backslashreplace", line_buffering=True),
+            io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                             errors="backslashreplace", line_buffering=True),
+            io.TextIOWrapper(io.FileIO(0, "r", closefd=False)))
         self.filter: CompiledFilter | None = None
+        self.filter_error = ""
         if cfg.get("seccomp", True):
             try:
                 self.filter = CompiledFilter(self.libc)
             except Exception as e:  # noqa: BLE001 - reported in the ready frame
                 self.filter_error = f"{type(e).__name__}: {e}"
         self.pid = os.getpid()
-        self.filter_error = ""
         self.spare: Child | None = None
         self.session: Child | None = None
         self._to_reap: list[int] = []
@@ -299,11 +332,31 @@ class Worker:
         self._make_scratch()
 
     # ---- children
-    def _fork_child(self) -> Child:
+    def _pstamp(self, name: str) -> None:
+        if self.profile:
+            self._stamps.append((name, time.perf_counter_ns(), _minflt()))
+
+    def _fork(self) -> int:
+        """fork(2). With ``raw_fork`` (the default, used only while the worker is single-threaded)
+        libc's fork is called directly: CPython's at-fork hooks (thread state re-initialisation,
+        the random module's reseed, threading/logging bookkeeping) are skipped. They protect
+        state shared with *other threads*, and the worker has none; skipping them spares every
+        child ~200 copy-on-write page faults (~1.5 ms of CPU). The child reseeds its random
+        generators itself."""
+        if self.raw_fork:
+            pid = _LIBC_FORK()
+            if pid < 0:
+                raise OSError(ctypes.get_errno(), "fork failed")
+            return pid
+        return os.fork()
+
+    def _fork_child(self, wait_armed: bool = True) -> Child:
         req_r, req_w = os.pipe()
         out_r, out_w = os.pipe()
         st_r, st_w = os.pipe()
-        pid = os.fork()
+        if self.profile:
+            self._stamps = [("fork", time.perf_counter_ns(), 0)]
+        pid = self._fork()
         if pid == 0:  # child
             code = _EXIT_SETUP_FAILED
             try:
@@ -318,63 +371,80 @@ class Worker:
         os.close(req_r)
         os.close(out_w)
         os.close(st_w)
-        return Child(pid, req_w, out_r, st_r)
+        child = Child(pid, req_w, out_r, st_r)
+        if self.profile:
+            self.prof["a_forked"] = time.perf_counter_ns()
+        if wait_armed:
+            # the child's hardening (uid, rlimits, seccomp) happens now, off the critical path:
+            # wait for its one-byte "armed" note so that the next request finds it blocked in read
+            try:
+                r, _, _ = select.select([st_r], [], [], ARM_TIMEOUT_S)
+                if r:
+                    os.read(st_r, 1)  # b"A", or EOF if setup failed (the call then reports it)
+                    child.armed = True
+            except InterruptedError:
+                pass
+        return child
 
     def _child_main(self, req_r: int, out_w: int, st_w: int) -> None:
+        # Everything here runs in the pre-forked spare before any code arrives. It is written with
+        # few Python objects on purpose: each page the child writes is a copy-on-write fault.
+        pst = self._pstamp
+        pst("start")
         os.setpgid(0, 0)
-        self.libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl = self._prctl
+        prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
         if os.getppid() != self.pid:  # the worker died before PDEATHSIG was armed
             os._exit(_EXIT_SETUP_FAILED)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big write raises EFBIG instead
+        for sig in (_SIGINT, _SIGTERM, _SIGCHLD):
+            _signal.signal(sig, _signal.SIG_DFL)
+        _signal.signal(_SIGXFSZ, _signal.SIG_IGN)  # a too-big write raises EFBIG instead
         # fds: 0 = /dev/null, 1 = 2 = output pipe, 3 = requests, 4 = status; close the rest
         os.dup2(out_w, 1)
         os.dup2(out_w, 2)
         os.dup2(req_r, 3)
         os.dup2(st_w, 4)
         os.closerange(5, 65536)
-        cfg = self.cfg
         os.chdir(self.scratch)
-        mb = 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if cfg.get("fsize_mb"):
-            lim = int(cfg["fsize_mb"] * mb)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (lim, lim))
-        if cfg.get("nofile"):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"]))
-        if cfg.get("memory_mb"):
+        pst("fds")
+        setrlimit = resource.setrlimit
+        for res, lim in self.rlimits:
+            setrlimit(res, (lim, lim))
+        if self.memory_bytes:
             # address space: what the preloaded interpreter already maps, plus the budget
-            base = _vm_size_bytes()
-            lim = base + int(cfg["memory_mb"] * mb)
-            resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+            lim = _vm_size_bytes() + self.memory_bytes
+            setrlimit(resource.RLIMIT_AS, (lim, lim))
         if self.uid is not None:
-            if cfg.get("nproc"):
-                resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
+            if self.nproc:
+                setrlimit(resource.RLIMIT_NPROC, (self.nproc, self.nproc))
             os.setgroups([])
             os.setresgid(self.uid, self.uid, self.uid)
             os.setresuid(self.uid, self.uid, self.uid)
             if os.getuid() == 0 or os.geteuid() == 0:
                 os._exit(_EXIT_SETUP_FAILED)
+        pst("uid")
         if self.filter is not None:
             self.filter.load()  # also sets no_new_privs
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", line_buffering=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", line_buffering=True)
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        pst("seccomp")
+        # text streams made once in the worker (never used there): fds 0/1/2 are the child's
+        sys.stdout, sys.stderr, sys.stdin = self.child_stdio
         # a fresh random state per child (forked children would otherwise all share the worker's)
-        import random
-
-        random.seed()
+        _random_mod.seed()
         np_random = sys.modules.get("numpy.random")
         if np_random is not None:
             np_random.seed()
+        pst("seeded")
+        os.write(4, b"A")  # armed
         g: dict = {"__name__": "__main__", "__builtins__": __builtins__}
+        prof = self.profile
+        if prof:
+            p_armed = (time.perf_counter_ns(), _minflt())
         while True:
             req = read_frame(3)
             if req is None:
                 os._exit(0)
+            if prof:
+                p_got = (time.perf_counter_ns(), _minflt())
             # CPU-time backstop (the wall-clock timeout is enforced by the worker); only the soft
             # limit moves so that a stateful session can raise it again for its next snippet
             t = max(1, int(float(req.get("timeout", 10)) + 1.0))
@@ -384,7 +454,13 @@ class Worker:
                 soft = min(soft, hard)
             resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
             status = run_snippet(req["code"], g)
-            write_frame(4, {"status": status})
+            if prof:
+                t, f = time.perf_counter_ns(), _minflt()
+                write_frame(4, {"status": status, "prof": {
+                    "child_armed_flt": p_armed[1], "child_got_ns": p_got[0],
+                    "child_done_ns": t, "child_run_flt": f - p_got[1], "stamps": self._stamps}})
+            else:
+                write_frame(4, {"status": status})
             if not self.stateful:
                 os._exit(0)
             g.pop("__warningregistry__", None)
@@ -480,11 +556,17 @@ class Worker:
                     status = "died"
                 else:
                     st_buf += data
+                    if not child.armed and st_buf[:1] == b"A":  # armed note not consumed yet
+                        del st_buf[:1]
+                        child.armed = True
                     if len(st_buf) >= _HDR.size:
                         (n,) = _HDR.unpack(st_buf[:_HDR.size])
                         if len(st_buf) >= _HDR.size + n:
                             try:
-                                status = json.loads(bytes(st_buf[_HDR.size:_HDR.size + n]))["status"]
+                                st = json.loads(bytes(st_buf[_HDR.size:_HDR.size + n]))
+                                status = st["status"]
+                                if self.profile:
+                                    self.prof.update(st.get("prof", {}), status_ns=time.perf_counter_ns())
                             except Exception:  # noqa: BLE001 - the snippet wrote garbage on fd 4
                                 status = "runtime"
             if fds == [self.proto_in]:
@@ -505,6 +587,8 @@ class Worker:
 
     def handle(self, req: dict) -> dict:
         t0 = time.monotonic()
+        if self.profile:
+            self.prof = {"recv_ns": time.perf_counter_ns(), "worker_flt0": _minflt()}
         timeout = float(req.get("timeout", 10.0))
         max_output = int(req.get("max_output", 8192))
         if self.stateful:
@@ -525,6 +609,8 @@ class Worker:
                 self.session = child
                 state_reset = True
             write_frame(child.req_w, {"code": req["code"], "timeout": timeout})
+        if self.profile:
+            self.prof["sent_ns"] = time.perf_counter_ns()
         status, out, cut = self._collect(child, timeout, max_output)
         exit_note = ""
         finished = (not self.stateful) or status in ("timeout", "output_cut", "died")
@@ -549,8 +635,12 @@ class Worker:
         if len(text) > max_output:
             text = text[:max_output]
             cut = True
-        return {"id": req.get("id"), "status": status, "output": text, "cut": cut,
+        resp = {"id": req.get("id"), "status": status, "output": text, "cut": cut,
                 "note": exit_note, "exec_ms": elapsed, "state_reset": state_reset}
+        if self.profile:
+            self.prof["reply_ns"] = time.perf_counter_ns()
+            resp["prof"] = self.prof
+        return resp
 
     def after(self) -> None:
         """Off the critical path: wipe scratch, reap, pre-fork the next spare."""
@@ -558,7 +648,9 @@ class Worker:
             # every child left is SIGKILLed already: reap them all (zombies would still count
             # against the uid's process limit) before the next spare is forked
             deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline:
+            for pid in self._to_reap:  # sleep until the snippet's process is gone (no polling)
+                _wait_exit(pid, deadline)
+            while time.monotonic() < deadline:  # then its leftovers, if any
                 try:
                     pid, _ = os.waitpid(-1, os.WNOHANG)
                 except ChildProcessError:
@@ -578,8 +670,12 @@ class Worker:
                 still.append(pid)
         self._to_reap = still
         if not self.stateful:
+            if self.profile:
+                self.prof["a_reaped"] = time.perf_counter_ns()
             self._wipe_scratch()
             self._reap(keep=set())
+            if self.profile:
+                self.prof["a_wiped"] = time.perf_counter_ns()
             self._ensure_spare()
         else:
             self._reap(keep=set())
@@ -608,11 +704,13 @@ class Worker:
         # objects that exist now are never collected: children don't touch (copy) their pages
         gc.collect()
         gc.freeze()
+        self.thp_bytes = collapse_heap(self.libc) if self.cfg.get("thp", True) else 0
         if not self.stateful:
             self._ensure_spare()
         write_frame(self.proto_out, {"op": "ready", "pid": os.getpid(), "uid": self.uid,
                                      "seccomp": self.filter is not None,
-                                     "seccomp_error": self.filter_error, "preloaded": preloaded})
+                                     "seccomp_error": self.filter_error, "preloaded": preloaded,
+                                     "thp_mb": self.thp_bytes >> 20, "raw_fork": self.raw_fork})
         while True:
             req = read_frame(self.proto_in)
             if req is None:
@@ -627,13 +725,43 @@ class Worker:
                 if self.host_gone:
                     break
                 write_frame(self.proto_out, resp)
-                self.after()
+                if self.profile:
+                    a0 = time.perf_counter_ns()
+                    self.after()
+                    a1 = time.perf_counter_ns()
+                    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    me = resource.getrusage(resource.RUSAGE_SELF)
+                    pr = self.prof
+                    idle = {"op": "idle", "prof": {
+                        "after_ms": (a1 - a0) / 1e6, "reap_ms": (pr["a_reaped"] - a0) / 1e6,
+                        "wipe_ms": (pr["a_wiped"] - pr["a_reaped"]) / 1e6,
+                        "fork_ms": (pr["a_forked"] - pr["a_wiped"]) / 1e6,
+                        "arm_ms": (a1 - pr["a_forked"]) / 1e6, "worker_flt": _minflt() - self.prof["worker_flt0"],
+                        "self_cpu_s": me.ru_utime + me.ru_stime,
+                        "children_cpu_s": ru.ru_utime + ru.ru_stime, "children_flt": ru.ru_minflt}}
+                else:
+                    self.after()
+                    idle = {"op": "idle"}
                 # tells the host this worker has a fresh spare again (the pool routes new calls
                 # to workers that are ready, so the fork stays off the critical path)
-                write_frame(self.proto_out, {"op": "idle"})
+                write_frame(self.proto_out, idle)
             elif req.get("op") == "ping":
                 write_frame(self.proto_out, {"id": req.get("id"), "op": "pong"})
         self.shutdown()
+
+
+def _wait_exit(pid: int, deadline: float) -> None:
+    """Block until process ``pid`` has exited (is a zombie or gone), at most until ``deadline``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return
+    try:
+        select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+    except (OSError, InterruptedError):
+        pass
+    finally:
+        os.close(fd)
 
 
 def _classify_death(wstatus: int) -> tuple[str, str]:
@@ -648,15 +776,75 @@ def _classify_death(wstatus: int) -> tuple[str, str]:
     return "runtime", f"the snippet's process exited with code {code}"
 
 
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _vm_size_bytes() -> int:
+    """VmSize from /proc/self/statm (first field, in pages), read with two syscalls."""
     try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmSize:"):
-                    return int(line.split()[1]) * 1024
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        try:
+            data = os.read(fd, 256)
+        finally:
+            os.close(fd)
+        return int(data.split(None, 1)[0]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+_HUGE = 2 * 1024 * 1024
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+
+
+def collapse_heap(libc: ctypes.CDLL, min_resident: float = 0.5) -> int:
+    """Back the worker's populated anonymous memory with transparent huge pages (2 MiB).
+
+    fork() then copies one page-table entry per 2 MiB instead of 512, and a child's exit tears
+    down as few: about 1 ms of CPU less per snippet for a worker holding numpy+sympy. A child's
+    first write into such a region still copies only a 4 KiB page (the kernel splits its own
+    mapping of the huge page). Only 2 MiB ranges that are at least ``min_resident`` populated are
+    collapsed, so the worker grows by a few MiB at most. Returns the bytes collapsed (0 where the
+    kernel lacks MADV_COLLAPSE, Linux < 6.1)."""
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    mincore = libc.mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    npages = _HUGE // _PAGE
+    vec = ctypes.create_string_buffer(npages)
+    done = 0
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
     except OSError:
-        pass
-    return 0
+        return 0
+    for line in maps:
+        parts = line.split()
+        if len(parts) < 5 or parts[1][:2] != "rw" or (len(parts) > 5 and parts[5] != "[heap]"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        a, b = (lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1)
+        for x in range(a, b, _HUGE):
+            if mincore(x, _HUGE, vec) != 0:
+                continue
+            if sum(c & 1 for c in vec.raw) < min_resident * npages:
+                continue
+            if madvise(x, _HUGE, MADV_HUGEPAGE) == 0 and madvise(x, _HUGE, MADV_COLLAPSE) == 0:
+                done += _HUGE
+    return done
+
+
+def _single_threaded() -> bool:
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
 
 
 def _pids_with_uid(uid: int) -> list[int]:
