@@ -22,6 +22,14 @@ log = logging.getLogger(__name__)
 _NONDETERMINISTIC = re.compile(r"random|time|uuid|urandom|secrets|getpid|input\s*\(|environ|"
                                r"listdir|scandir|glob|open\s*\(")
 
+# performance switches of tools/sandbox/worker.py (benchmarks/bench_sandbox.py compares them)
+WORKER_OPTIONS = {"raw_fork": "fork with libc's fork(), skipping CPython's at-fork hooks",
+                  "thp": "back the worker's heap with transparent huge pages (cheaper fork/exit)",
+                  "prefault": "off by default: idle spares pre-copy the pages sympy/numpy "
+                              "snippets write when recent snippets used them (learned at worker "
+                              "start; trades CPU for latency)",
+                  "profile": "per-call timings and page-fault counts in the worker's replies"}
+
 _STATUS_TO_ERROR = {
     "ok": None,
     "syntax": ErrorKind.SYNTAX,
@@ -56,7 +64,10 @@ class PythonTool(Tool):
     may write), ``nofile``, ``nproc`` (processes per worker uid), ``tmp_size_mb`` (scratch tmpfs),
     ``max_code_chars``, ``max_sessions``, ``preload`` (modules imported once per worker),
     ``seccomp``, ``recycle_after`` (restart a worker after N snippets; docker default 500),
-    ``image`` (docker image), ``debug`` (worker stderr to the trainer's stderr).
+    ``image`` (docker image), ``debug`` (worker stderr to the trainer's stderr),
+    ``worker_options`` (performance switches of the fork server; none changes what a snippet may
+    do: ``raw_fork`` and ``thp`` default on, ``prefault`` off; ``profile`` adds per-call timings
+    to the worker's replies; see docs/sandbox_perf.md).
 
     Output: stdout and stderr interleaved as a terminal shows them; a traceback keeps only the
     snippet's own frames; when the last statement is a bare expression its ``repr`` is printed
@@ -80,7 +91,8 @@ class PythonTool(Tool):
                  max_sessions: int = 64, preload: tuple[str, ...] | list[str] = (
                      "math", "numpy", "sympy"),
                  seccomp: bool = True, recycle_after: int | None = None,
-                 image: str | None = None, debug: bool = False) -> None:
+                 image: str | None = None, debug: bool = False,
+                 worker_options: dict[str, bool] | None = None) -> None:
         def positive(name: str, v: Any, kind: type = int) -> None:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
             if not ok or (kind is int and not float(v).is_integer()) or not math.isfinite(v):
@@ -117,6 +129,11 @@ class PythonTool(Tool):
             "memory_mb": int(memory_mb), "fsize_mb": int(fsize_mb), "nofile": int(nofile),
             "nproc": int(nproc), "preload": list(preload), "seccomp": bool(seccomp),
         }
+        for k, v in (worker_options or {}).items():
+            if k not in WORKER_OPTIONS or not isinstance(v, bool):
+                raise ToolError(f"PythonTool: worker_options takes booleans for "
+                                f"{sorted(WORKER_OPTIONS)}, got {k}={v!r}")
+            self.worker_cfg[k] = v
         self.debug = debug
         self.pool = WorkerPool(self.backend, dict(self.worker_cfg, stateful=False), int(workers),
                                recycle_after=recycle_after, debug=debug)
