@@ -232,14 +232,14 @@ def make_traces(n: int, seed: int = 0, mixture: TraceMixture | None = None) -> l
 class WarmStartSettings:
     """Everything that determines a warm start (its cache key, with the base model's config)."""
 
-    steps: int = 1200
-    batch_size: int = 32
-    lr: float = 2e-3
+    steps: int = 700
+    batch_size: int = 16
+    lr: float = 3e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 1.0  # learning rate after the cosine decay, relative to ``lr`` (1 = constant)
     n_traces: int = 3000
     seed: int = 0
-    hidden_size: int = 256  # the built-in base model's size (ignored with an explicit ``base``)
+    hidden_size: int = 128  # the built-in base model's size (ignored with an explicit ``base``)
     layers: int = 4
     mixture: TraceMixture = field(default_factory=TraceMixture)
 
