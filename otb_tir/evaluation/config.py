@@ -1,0 +1,132 @@
+"""Evaluation configuration: a dataclass schema loaded with the training loader
+(:func:`otb_tir.trainer.config.load_config`: YAML + dotted overrides, ConfigError naming the key).
+
+The sections reuse the training config's names where the concept is the same (``model``,
+``rollout``, ``multi_turn``, ``reward``), so the episode settings come from the same
+:func:`otb_tir.trainer.trainer.episode_config` as training: what is measured is what is trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from otb_tir import ConfigError
+from otb_tir.trainer.config import ModelConfig, MultiTurnConfig, RewardConfig, load_config
+
+__all__ = ["EvalConfig", "load_eval_config", "EVAL_CHOICES", "DEFAULT_CONFIG"]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "eval_tool_use.yaml"
+
+
+@dataclass
+class EvalDataConfig:
+    files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in held-out split
+    size: int = 100  # first `size` problems (0 = all of the files)
+
+
+@dataclass
+class EvalRolloutConfig:
+    name: str = "hf"  # engine: hf | vllm | sglang
+    n: int = 4  # samples per problem
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
+    max_tokens_per_turn: int = 96
+    max_batch_size: int = 64  # hf engine: requests decoded together
+    device: str = "auto"  # hf engine: auto | cpu | cuda
+    dtype: str = "auto"  # hf: float32 when auto; vllm/sglang: the engine default when auto
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to VLLMEngine / SGLangEngine
+
+
+@dataclass
+class EvalSettings:
+    pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])  # every k must be <= rollout.n
+    without_tools: bool = True  # also run the same model and prompts with tools disabled
+    seed: int = 0
+    max_concurrent_episodes: int | None = None  # None: all episodes at once (the engine batches them)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/eval_tool_use"
+    name: str = "eval"  # files: <dir>/<name>.json, <name>.md, <name>_*.png
+    records: bool = True  # per-episode records in the JSON
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    rollout: EvalRolloutConfig = field(default_factory=EvalRolloutConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.name": ("hf", "vllm", "sglang"),
+    "rollout.device": ("auto", "cpu", "cuda"),
+    "rollout.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "multi_turn.format": ("hermes", "code_block"),
+    "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),
+}
+
+
+def _check(cfg: DictConfig) -> None:
+    for key in ("rollout.n", "rollout.response_length", "rollout.max_tokens_per_turn", "rollout.max_batch_size",
+                "multi_turn.max_assistant_turns", "multi_turn.max_tool_response_length",
+                "multi_turn.max_parallel_calls"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")
+    if cfg.data.size < 0:
+        raise ConfigError(f"'data.size' must be >= 0 (0 = every problem of data.files); got {cfg.data.size}")
+    if not cfg.data.files and cfg.data.size == 0:
+        raise ConfigError("'data.size' must be > 0 with the built-in generator (data.files is empty)")
+    if cfg.rollout.temperature < 0:
+        raise ConfigError(f"'rollout.temperature' must be >= 0 (0 = greedy); got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"'rollout.top_p' must be in (0, 1]; got {cfg.rollout.top_p}")
+    if cfg.multi_turn.tool_timeout <= 0:
+        raise ConfigError(f"'multi_turn.tool_timeout' must be > 0; got {cfg.multi_turn.tool_timeout}")
+    ks = list(cfg.eval.pass_k)
+    if not ks:
+        raise ConfigError("'eval.pass_k' must list at least one k (e.g. [1])")
+    bad = [k for k in ks if k < 1 or k > cfg.rollout.n]
+    if bad:
+        raise ConfigError(f"'eval.pass_k' = {ks}: every k must be in 1..rollout.n ({cfg.rollout.n}); "
+                          f"bad: {bad}. Raise rollout.n or drop those k")
+    if len(set(ks)) != len(ks):
+        raise ConfigError(f"'eval.pass_k' = {ks} lists a k twice")
+    if cfg.eval.max_concurrent_episodes is not None and cfg.eval.max_concurrent_episodes < 1:
+        raise ConfigError("'eval.max_concurrent_episodes' must be >= 1 or null")
+    if cfg.eval.without_tools and cfg.multi_turn.format == "code_block":
+        raise ConfigError("eval.without_tools=true needs multi_turn.format=hermes: the code_block format runs "
+                          "every code block with the python tool, so it has no tools-disabled variant; "
+                          "set eval.without_tools=false")
+    if not cfg.multi_turn.tools and not cfg.multi_turn.tool_config_path:
+        raise ConfigError("no tools: set multi_turn.tools (e.g. [python, calculator]) or multi_turn.tool_config_path")
+    if not cfg.output.name or "/" in cfg.output.name:
+        raise ConfigError(f"'output.name' must be a plain file stem; got {cfg.output.name!r}")
+
+
+def load_eval_config(path: str | Path | None = DEFAULT_CONFIG, overrides: Sequence[str] = ()) -> DictConfig:
+    """Schema defaults ← YAML (default ``recipes/configs/eval_tool_use.yaml``) ← ``key=value``
+    overrides, validated (unknown keys, bad types, choices, ranges, ``k > n``).
+
+    Files, tools and the tokenizer are checked when the run starts (:func:`otb_tir.evaluation.run.prepare`).
+    """
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+")
+        if key.split(".", 1)[0] == "verl":  # the training loader passes verl.* through; eval has no verl section
+            raise ConfigError(f"unknown config key '{key}'; the evaluation config has no 'verl' section "
+                              f"(valid top-level keys: {', '.join(EvalConfig.__dataclass_fields__)})")
+    return load_config(path, overrides, schema=EvalConfig, choices=EVAL_CHOICES, check=_check)

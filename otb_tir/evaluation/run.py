@@ -1,0 +1,231 @@
+"""Build every component from an evaluation config, check it at start, run the episodes
+(with tools, then the same model and prompts with tools disabled) and write the report.
+
+"Tools disabled" means: the same model, the same problems and the same episode budgets, the
+prompts rendered *without* tool schemas (``tools=None`` for the chat template), and an episode
+with an empty tool set: a tool call the model still writes is parsed, counted, and answered with
+an error observation (``unknown_tool``: "Error: unknown tool 'python'. Available tools: .") in a
+``tool`` message, exactly as an unknown tool is answered in training. The episode goes on (up to
+``multi_turn.max_assistant_turns``), so a model can still recover and answer directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from otb_tir import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Prepared", "prepare", "evaluate", "build_engine"]
+
+
+@dataclass
+class Prepared:
+    """Everything checked at start: problems, tools, model folder, tokenizer."""
+
+    items: list[dict[str, Any]]
+    tools: dict[str, Any]
+    model_path: Path
+    tokenizer: Any
+    data_desc: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
+    from agent_env import EnvError
+    from agent_env.data import load_parquet, make_split
+
+    if cfg.data.files:
+        missing = [f for f in cfg.data.files if not Path(f).expanduser().is_file()]
+        if missing:
+            raise ConfigError(f"data.files: file(s) not found: {missing}")
+        items: list[dict[str, Any]] = []
+        for f in cfg.data.files:
+            try:
+                items += load_parquet(Path(f).expanduser())
+            except EnvError as e:
+                raise ConfigError(f"data.files: {e}") from None
+        desc = ", ".join(str(f) for f in cfg.data.files)
+    else:
+        items = make_split("test", cfg.data.size, seed=0)  # the held-out split, as training's val set
+        desc = "built-in generator, held-out split"
+    if cfg.data.size:
+        items = items[: cfg.data.size]
+    if not items:
+        raise ConfigError(f"no problems to evaluate in {desc}")
+    for i, it in enumerate(items):
+        gt = (it.get("reward_model") or {}).get("ground_truth")
+        if gt is None or "prompt" not in it:
+            raise ConfigError(f"problem {i} of {desc} has no prompt or no reward_model.ground_truth")
+    return items, desc
+
+
+def _build_tools(cfg: DictConfig) -> dict[str, Any]:
+    import tools as tools_pkg
+    from tools.base import ToolError
+
+    mt = cfg.multi_turn
+    try:
+        if mt.tool_config_path:
+            if not Path(mt.tool_config_path).expanduser().is_file():
+                raise ConfigError(f"multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
+            built = tools_pkg.load_tools(Path(mt.tool_config_path).expanduser())
+        else:
+            known = tools_pkg.list_tools()
+            unknown = [name for name in mt.tools if name not in known]
+            if unknown:
+                raise ConfigError(f"multi_turn.tools: unknown tool(s) {unknown}; available tools: {', '.join(known)}")
+            built = [tools_pkg.get_tool(name) for name in mt.tools]
+    except ToolError as e:
+        raise ConfigError(f"tools: {e}") from None
+    return {t.name: t for t in built}
+
+
+def _check_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from None
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"the tokenizer of {path} has no chat template: an evaluation of tool use needs a "
+                          "chat template with tool support (set tokenizer.chat_template, save_pretrained again)")
+    return tok
+
+
+def prepare(cfg: DictConfig) -> Prepared:
+    """Check every input before any episode runs; bad input raises :class:`ConfigError`."""
+    from agent_env import AgentEnv, EnvError
+    from otb_tir.trainer.run import policy_path
+    from otb_tir.trainer.trainer import episode_config
+
+    items, desc = _load_items(cfg)
+    if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path} is not a local Hugging Face model folder (no config.json); "
+                          "a trained checkpoint is e.g. runs/tir_math/final")
+    tools = _build_tools(cfg)
+    try:
+        path = policy_path(cfg)  # model.path, or the built-in warm-started tiny policy (cached)
+        tokenizer = _check_tokenizer(path)
+        try:  # the episode's own checks (chat template renders, eos, tool schemas) before any episode
+            AgentEnv(tokenizer, tools=tools, config=episode_config(cfg))
+            if cfg.eval.without_tools:
+                AgentEnv(tokenizer, tools={}, config=episode_config(cfg))
+        except EnvError as e:
+            raise ConfigError(f"model {path}: {e}") from None
+    except BaseException:
+        from agent_env.rollout import run_sync
+
+        run_sync(_close_tools(tools))
+        raise
+    return Prepared(items=items, tools=tools, model_path=path, tokenizer=tokenizer, data_desc=desc)
+
+
+async def _start_tools(tools: dict[str, Any]) -> None:
+    """Start the tools' workers before the first episode, so a cold start (the sandbox pool
+    imports numpy/sympy) is never counted as the model's tool timeout."""
+    t0 = time.perf_counter()
+    for t in tools.values():
+        start = getattr(t, "start", None)
+        if start is not None:
+            try:
+                await start()
+            except Exception as e:  # noqa: BLE001 - a sandbox that cannot run would make every figure meaningless
+                raise ConfigError(f"tool {t.name!r} could not start: {type(e).__name__}: {e}") from e
+    log.info("tools %s started in %.1f s", sorted(tools), time.perf_counter() - t0)
+
+
+async def _close_tools(tools: dict[str, Any]) -> None:
+    for t in tools.values():
+        try:
+            await t.close()
+        except Exception:  # noqa: BLE001
+            log.warning("closing tool %r failed", t, exc_info=True)
+
+
+def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
+    """The engine named by ``rollout.name`` (an uninstalled engine is a ConfigError naming the pip install)."""
+    from agent_env.engines.base import EngineError
+
+    r = cfg.rollout
+    kwargs = OmegaConf.to_container(r.engine_kwargs, resolve=True) if r.engine_kwargs else {}
+    try:
+        if r.name == "hf":
+            from otb_tir.trainer.run import resolve_device
+            from agent_env.engines.hf import HFEngine
+
+            if kwargs:
+                raise ConfigError(f"rollout.engine_kwargs {sorted(kwargs)} are for vllm/sglang; the hf engine takes "
+                                  "rollout.max_batch_size, rollout.device and rollout.dtype")
+            dtype = "float32" if r.dtype == "auto" else r.dtype
+            # stop_at_eos=False as in training: turns end at the template's end-of-turn token.
+            return HFEngine(str(path), tokenizer, device=resolve_device(r.device), dtype=dtype,
+                            max_batch_size=r.max_batch_size, seed=cfg.eval.seed, stop_at_eos=False)
+        dtype = None if r.dtype == "auto" else r.dtype
+        if r.name == "vllm":
+            from agent_env.engines.vllm import VLLMEngine
+
+            return VLLMEngine(str(path), dtype=dtype, seed=cfg.eval.seed, **kwargs)
+        from agent_env.engines.sglang import SGLangEngine
+
+        return SGLangEngine(str(path), dtype=dtype or "auto", seed=cfg.eval.seed, **kwargs)
+    except EngineError as e:
+        raise ConfigError(f"rollout.name={r.name}: {e}") from None
+
+
+async def _run_pass(engine: Any, env: Any, items: list[dict[str, Any]], cfg: DictConfig, label: str) -> tuple[list, dict]:
+    from agent_env import rollout_async
+
+    prompts = [{"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"], "uid": f"p{i}"}
+               for i, it in enumerate(items)]
+    log.info("%s: %d problems × n=%d episodes", label, len(items), cfg.rollout.n)
+    batch = await rollout_async(engine, env, prompts, cfg.rollout.n, seed=cfg.eval.seed,
+                                max_concurrent_episodes=cfg.eval.max_concurrent_episodes, pad_to="longest",
+                                progress=cfg.output.progress)
+    return batch.trajectories, dict(batch.stats)
+
+
+def evaluate(cfg: DictConfig, prepared: Prepared | None = None) -> dict[str, Any]:
+    """Run the evaluation described by ``cfg``; returns the report (also written to ``output.dir``)."""
+    from agent_env import AgentEnv
+    from otb_tir.evaluation.report import build_report, write_report
+    from otb_tir.trainer.run import seed_everything
+    from otb_tir.trainer.trainer import episode_config
+
+    t0 = time.perf_counter()
+    prep = prepared or prepare(cfg)
+    seed_everything(cfg.eval.seed)
+    engine = None
+    passes: dict[str, tuple[list, dict]] = {}
+    try:
+        engine = build_engine(cfg, prep.model_path, prep.tokenizer)
+
+        async def main() -> None:
+            await _start_tools(prep.tools)
+            env = AgentEnv(prep.tokenizer, tools=prep.tools, config=episode_config(cfg))
+            passes["with_tools"] = await _run_pass(engine, env, prep.items, cfg, "with tools")
+            if cfg.eval.without_tools:
+                env_off = AgentEnv(prep.tokenizer, tools={}, config=episode_config(cfg))
+                passes["without_tools"] = await _run_pass(engine, env_off, prep.items, cfg, "tools disabled")
+
+        from agent_env.rollout import run_sync
+
+        run_sync(main())
+    finally:
+        from agent_env.rollout import run_sync
+
+        if engine is not None:
+            run_sync(engine.close())
+        run_sync(_close_tools(prep.tools))
+    report = build_report(cfg, prep, passes, wall_s=time.perf_counter() - t0)
+    write_report(report, cfg)
+    return report
