@@ -1,0 +1,324 @@
+"""GPU check: one TIR-OTB training step of a Qwen3-0.6B-shaped random model at 4k-token responses.
+
+    python benchmarks/gpu_check.py                 # needs a CUDA GPU; ≤ 8 minutes on one H200-class GPU
+    python benchmarks/gpu_check.py --cpu-smoke     # a tiny shape on CPU: proves every code path here
+    python benchmarks/gpu_check.py --no-fsdp       # the plain one-process actor instead of FSDP2
+
+The model is built locally from ``transformers.Qwen3Config`` (hidden 1024, 28 layers, 16 heads,
+8 KV heads, head dim 128, intermediate 3072, vocab 151936, tied embeddings: Qwen3-0.6B's shape)
+with random weights: nothing is downloaded. The tokenizer (only the chat template and the
+end-of-turn token matter) is the built-in tiny one from ``agent_env.tiny``.
+
+What runs is the local trainer's own step (:meth:`otb_tir.trainer.trainer.Trainer.train_step`):
+HF-engine rollout of multi-turn episodes (one assistant turn of up to ``--response-length``
+tokens; a random policy rarely stops early) → actor forward with fused Σπ² → TIR-OTB advantages
+→ PPO update → weight sync. By default the actor is FSDP2-sharded over a one-rank process group
+(``otb_tir.trainer.distributed.fsdp_wrap``, bf16 parameters, fp32 reductions; the engine keeps its
+own unsharded bf16 copy, synced from the full state dict), as under ``torchrun``. Then, on the same
+rollout batch, the actor forward and the update are replayed with Σπ² fused from the hidden states
+and unfused from the logits, each with its peak CUDA memory. It prints tokens/s, the step time per
+phase and the peak memory figures, and writes them as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+log = logging.getLogger("gpu_check")
+
+QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                  max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=2048,
+             rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+
+class GPUCheckError(RuntimeError):
+    pass
+
+
+def _distinct_token_reward(text, ground_truth, traj) -> float:
+    """A reward that varies between the samples of a random policy (so advantages are non-zero)."""
+    ids = traj.response_ids
+    return len(set(ids)) / max(len(ids), 1)
+
+
+def _mem(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _init_one_rank_group(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+class _NoStep:
+    """Optimizer stand-in: the replayed update computes gradients but never applies them, so the
+    fused and unfused replays see the same weights (and must give the same gradient norm)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        pass
+
+
+def replay(trainer, tensors: dict[str, torch.Tensor], fused: bool, device: torch.device) -> dict[str, Any]:
+    """The actor forward (old stats) and one PPO forward/backward on ``tensors`` with fused or
+    unfused Σπ² (gradients computed, not applied)."""
+    import dataclasses
+
+    from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
+    from otb_tir.trainer.actor import compute_old_stats, ppo_update
+
+    s = dataclasses.replace(trainer.actor, fused=fused)
+    out: dict[str, Any] = {"fused": fused}
+    batch = dict(tensors)
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    batch.update(compute_old_stats(trainer.model, batch, s))
+    _sync(device)
+    out["old_stats_s"] = time.perf_counter() - t0
+    out["old_stats_mem"] = _mem(device)
+    mask = batch["response_mask"].float()
+    rewards = place_reward_on_last_policy_token(batch["token_level_rewards"], mask)
+    adv, _ = get_estimator("tir_optimal_token_baseline")(
+        token_level_rewards=rewards, response_mask=mask, index=tensors["uid"], old_log_probs=batch["old_log_probs"],
+        sum_pi_squared=batch["sum_pi_squared"])
+    batch["advantages"], batch["loss_mask"] = adv.float() * mask, mask
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    rows = torch.arange(batch["responses"].shape[0])
+    m = ppo_update(trainer.model, _NoStep(trainer.model), batch, [rows], s)
+    trainer.model.zero_grad(set_to_none=True)
+    _sync(device)
+    out["update_s"] = time.perf_counter() - t0
+    out["update_mem"] = _mem(device)
+    out["grad_norm"] = m["actor/grad_norm"]
+    out["old_log_probs"] = batch["old_log_probs"].detach().cpu()
+    out["sum_pi_squared"] = batch["sum_pi_squared"].detach().cpu()
+    return out
+
+
+def run_check(args) -> dict[str, Any]:
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from agent_env import AgentEnv
+    from agent_env.data import make_split
+    from agent_env.engines.hf import HFEngine
+    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.trainer.config import load_config
+    from otb_tir.trainer.distributed import DistInfo, fsdp_wrap, full_state_dict
+    from otb_tir.trainer.run import build_optimizer, seed_everything
+    from otb_tir.trainer.trainer import Trainer, episode_config
+
+    smoke = args.cpu_smoke
+    if smoke:
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise GPUCheckError("no CUDA GPU is visible (torch.cuda.is_available() is False, torch "
+                                f"{torch.__version__}); run on a GPU machine, or use --cpu-smoke to check the code paths")
+        device = torch.device("cuda", 0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    shape = dict(SMOKE if smoke else QWEN3_0_6B)
+    r = args.response_length or (96 if smoke else 4096)
+    n, prompts = args.n, args.prompts
+    micro = args.micro_batch_size
+    low = None if smoke else torch.bfloat16
+    seed_everything(0)
+    info: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                            "torch": torch.__version__, "shape": shape, "response_length": r,
+                            "trajectories": prompts * n, "fsdp": not args.no_fsdp, "micro_batch_size": micro}
+    log.info("building a random Qwen3 model %s on %s", shape, device)
+    t0 = time.perf_counter()
+    config = Qwen3Config(**shape)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    info["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+    info["build_s"] = time.perf_counter() - t0
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy_dir())
+    if len(tokenizer) > shape["vocab_size"]:
+        raise GPUCheckError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab {shape['vocab_size']}")
+
+    out_dir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    overrides = [
+        f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={n}",
+        f"rollout.response_length={r}", f"rollout.max_tokens_per_turn={r}", "multi_turn.max_assistant_turns=1",
+        "multi_turn.tools=[calculator]", f"actor.ppo_micro_batch_size={micro}", "actor.optim.lr=1e-6",
+        f"rollout.max_batch_size={prompts * n}", "trainer.loggers=[]", "trainer.save_every=0",
+        f"trainer.output_dir={out_dir}", f"trainer.device={device.type}",
+        f"model.dtype={'float32' if low is None else 'bfloat16'}", "data.train_size=64",
+    ]
+    cfg = load_config(None, overrides)
+    weights_fn = None
+    autocast = None
+    if args.no_fsdp:
+        engine = HFEngine(model, tokenizer, share_weights=True, max_batch_size=prompts * n, seed=0, stop_at_eos=False)
+        actor = model
+        autocast = low
+    else:
+        _init_one_rank_group(device)
+        engine = HFEngine(model, tokenizer, device=device, dtype=low, share_weights=False,
+                          max_batch_size=prompts * n, seed=0, stop_at_eos=False)
+        hf_model = model
+        actor = fsdp_wrap(model, DistInfo(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo"),
+                          param_dtype=low)
+
+        def weights_fn():
+            return full_state_dict(hf_model)
+
+    env = AgentEnv(tokenizer, config=episode_config(cfg), reward_fn=_distinct_token_reward)
+    optimizer, scheduler = build_optimizer(cfg, actor)
+    trainer = Trainer(cfg, actor, optimizer, scheduler, engine, env, make_split("train", 64, seed=0),
+                      make_split("test", 4, seed=0), out_dir, weights_fn=weights_fn, autocast_dtype=autocast)
+    try:
+        _reset_peak(device)
+        t0 = time.perf_counter()
+        res = trainer.train_step()
+        _sync(device)
+        step_s = time.perf_counter() - t0
+        m = res.metrics
+        tensors = res.batch.tensors
+        sampled = int(tensors["response_mask"].sum())
+        total = int(tensors["attention_mask"].sum())
+        info["step"] = {k: m[k] for k in sorted(m) if k.startswith("timing/")}
+        info["step"]["wall_s"] = step_s
+        info["step"]["peak_mem"] = _mem(device)
+        info["step"]["sampled_tokens"] = sampled
+        info["step"]["rollout_tokens_per_s"] = sampled / m["timing/rollout_s"]
+        info["step"]["train_tokens_per_s"] = total / (m["timing/old_log_prob_s"] + m["timing/update_s"])
+        info["step"]["step_tokens_per_s"] = total / step_s
+        info["step"]["policy_tokens_mean"] = m.get("response/policy_tokens_mean")
+        info["step"]["grad_norm"] = m.get("actor/grad_norm")
+        info["step"]["finish"] = {k: v for k, v in m.items() if k.startswith("finish/")}
+        batch = dict(tensors)
+        batch["uid"] = res.batch["uid"]
+        info["sum_pi_squared"] = {}
+        for fused in (True, False):
+            try:
+                info["sum_pi_squared"]["fused" if fused else "unfused"] = replay(trainer, batch, fused, device)
+            except torch.cuda.OutOfMemoryError as e:  # the unfused [micro, R, V] logits may not fit
+                info["sum_pi_squared"]["fused" if fused else "unfused"] = {"fused": fused, "error": f"OOM: {e}"}
+                _reset_peak(device)
+        f, u = info["sum_pi_squared"]["fused"], info["sum_pi_squared"]["unfused"]
+        if "error" not in f and "error" not in u:
+            mask = tensors["response_mask"].bool()
+            info["fused_vs_unfused"] = {
+                "max_abs_diff_log_probs": float((f["old_log_probs"] - u["old_log_probs"])[mask].abs().max()),
+                "max_abs_diff_sum_pi_squared": float((f["sum_pi_squared"] - u["sum_pi_squared"])[mask].abs().max()),
+                "grad_norm_rel_diff": abs(f["grad_norm"] - u["grad_norm"]) / max(abs(u["grad_norm"]), 1e-30)}
+        for r in info["sum_pi_squared"].values():
+            r.pop("old_log_probs", None)
+            r.pop("sum_pi_squared", None)
+    finally:
+        asyncio.run(engine.close())
+        asyncio.run(env.close())
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return info
+
+
+def report(info: dict[str, Any]) -> str:
+    st = info["step"]
+    lines = [f"device: {info['device']} (torch {info['torch']}); model: random Qwen3 {info['params_m']:.0f}M params "
+             f"({info['shape']['num_hidden_layers']} layers, hidden {info['shape']['hidden_size']}, vocab "
+             f"{info['shape']['vocab_size']}); {info['trajectories']} trajectories × ≤{info['response_length']} "
+             f"response tokens; actor: {'FSDP2 (1 rank)' if info['fsdp'] else 'plain'}",
+             f"one training step: {st['wall_s']:.1f} s; sampled tokens {st['sampled_tokens']} "
+             f"(mean {st['policy_tokens_mean']:.0f} per trajectory); grad norm {st['grad_norm']:.3g}"]
+    for k, v in st.items():
+        if k.startswith("timing/"):
+            lines.append(f"  {k[7:]:<18} {v:8.2f} s")
+    lines.append(f"  rollout tokens/s {st['rollout_tokens_per_s']:.0f}; actor (fwd + update) tokens/s "
+                 f"{st['train_tokens_per_s']:.0f}; whole step tokens/s {st['step_tokens_per_s']:.0f}")
+    if st["peak_mem"]:
+        lines.append(f"  peak CUDA memory in the step: {st['peak_mem']['peak_allocated_gib']:.2f} GiB allocated, "
+                     f"{st['peak_mem']['peak_reserved_gib']:.2f} GiB reserved")
+    lines.append("Σπ² on the same batch (actor forward for old stats, then one PPO forward/backward, no step):")
+    lines.append(f"  {'path':<9} {'old stats s':>12} {'peak GiB':>9} {'fwd+bwd s':>9} {'peak GiB':>9} {'grad norm':>10}")
+    for name, r in info["sum_pi_squared"].items():
+        if "error" in r:
+            lines.append(f"  {name:<9} {r['error'][:100]}")
+            continue
+        pk = lambda m: f"{m['peak_allocated_gib']:.2f}" if m else "n/a"  # noqa: E731
+        lines.append(f"  {name:<9} {r['old_stats_s']:>12.2f} {pk(r['old_stats_mem']):>9} {r['update_s']:>9.2f} "
+                     f"{pk(r['update_mem']):>9} {r['grad_norm']:>10.4g}")
+    f, u = info["sum_pi_squared"].get("fused", {}), info["sum_pi_squared"].get("unfused", {})
+    if f.get("update_mem") and u.get("update_mem"):
+        lines.append(f"  unfused / fused peak memory: forward {u['old_stats_mem']['peak_allocated_gib'] / f['old_stats_mem']['peak_allocated_gib']:.2f}×, "
+                     f"update {u['update_mem']['peak_allocated_gib'] / f['update_mem']['peak_allocated_gib']:.2f}×")
+    if "fused_vs_unfused" in info:
+        d = info["fused_vs_unfused"]
+        lines.append(f"  fused vs unfused: max |Δ log π| {d['max_abs_diff_log_probs']:.2e}, max |Δ Σπ²| "
+                     f"{d['max_abs_diff_sum_pi_squared']:.2e}, grad-norm rel. diff {d['grad_norm_rel_diff']:.2e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (checks the code paths, no GPU needed)")
+    p.add_argument("--no-fsdp", action="store_true", help="plain actor (no FSDP2 wrapping)")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--response-length", type=int, default=None, help="response tokens (default 4096; 96 with --cpu-smoke)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="trajectories per actor forward/backward")
+    p.add_argument("--out", default=None, help="JSON file for the figures (default runs/gpu_check[_cpu_smoke].json)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        info = run_check(args)
+    except GPUCheckError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
+    text = report(info)
+    print(text)
+    out = Path(args.out or ROOT / "runs" / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**info, "report": text}, indent=1, default=str))
+    print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
