@@ -3,8 +3,8 @@
 
     python fsdp_worker.py [--kill-after-save STEP] key=value ...
 
-The reward is shaped (distinct response tokens / 4) so that even the random tiny policy gets a
-non-zero advantage and every step really moves the weights. ``--kill-after-save STEP``: every rank
+The reward is shaped (see ``parity_reward``) so that even the random tiny policy gets non-zero
+advantages and every step really moves the weights. ``--kill-after-save STEP``: every rank
 SIGKILLs itself right after the checkpoint of STEP is complete (a crash at a known point).
 """
 
@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def length_reward(text, ground_truth, traj):
-    return len(set(traj.response_ids)) / 4.0
+def parity_reward(text, ground_truth, traj):
+    """100 × the share of odd token ids among the policy's tokens: varies between the samples of a
+    random policy at every step; large, so that gradients sit far above Adam's eps (1e-8)."""
+    toks = [t for t, m in zip(traj.response_ids, traj.response_mask) if m]
+    return 100.0 * sum(t % 2 for t in toks) / max(len(toks), 1)
 
 
 def main() -> int:
@@ -46,7 +49,7 @@ def main() -> int:
 
         trainer_mod.Trainer.save = save_then_die
     cfg = load_config(None, args.overrides)
-    run(cfg, reward_fn=length_reward)
+    run(cfg, reward_fn=parity_reward)
     return 0
 
 

@@ -1,11 +1,11 @@
 """The local trainer under torchrun with FSDP2, for real: 2 ranks on CPU/gloo, the tiny Qwen3 policy,
 real episodes with the calculator tool, a shaped reward so every step moves the weights.
 
-Runs once (module fixture), in subprocesses:
-  S  one process, 2 steps                       (the reference)
-  A  torchrun --nproc_per_node 2, 2 steps         (uninterrupted)
-  B  torchrun 2 ranks, every rank SIGKILLs itself right after the step-1 checkpoint, then
-     the same command with trainer.resume=true runs step 2.
+Runs once (module fixture; every process start costs ~10 s of CPU in imports, so only two launches):
+  S  one process (in this process), 2 steps        (the reference)
+  B  torchrun --nproc_per_node 2 (subprocess): every rank SIGKILLs itself right after the step-1
+     checkpoint; then the same command with trainer.resume=true runs step 2.
+Step 1 of B is the uninterrupted FSDP step; step 2 is the resumed one.
 Micro-batches of one trajectory, so each rank accumulates gradients over several micro-batches
 (FSDP's gradient sync only on the last) and the token-mean's denominator must be the global one.
 One PPO mini-batch per step: the 2-rank step then uses exactly the rows of the one-process step.
@@ -32,9 +32,10 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 LR = 1e-2
 SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=24",
          "rollout.max_tokens_per_turn=12", "multi_turn.max_assistant_turns=2", "multi_turn.tools=[calculator]",
-         "multi_turn.tool_timeout=60", "data.train_size=16", "eval.size=4", "eval.before=false", "eval.after=false",
+         "multi_turn.tool_timeout=60", "data.train_size=16", "eval.size=3",
          "trainer.loggers=[jsonl]", f"actor.optim.lr={LR}", "actor.ppo_micro_batch_size=1", "trainer.total_steps=2",
-         "trainer.save_every=1", "trainer.keep_checkpoints=3", "trainer.device=cpu"]
+         "trainer.save_every=1", "trainer.keep_checkpoints=3", "trainer.device=cpu",
+         "actor.grad_clip=1e9"]  # no clipping: the gradient's scale reaches the weights
 
 
 # ---------------------------------------------------------------------------------- unit tests
@@ -170,20 +171,28 @@ def _launch(args: list[str], nproc: int, timeout: float = 600) -> subprocess.Com
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
+    import importlib.util
+
+    from otb_tir.trainer.config import load_config
+    from otb_tir.trainer.run import run
+
     root = tmp_path_factory.mktemp("fsdp_runs")
     base = SMALL + [f"model.path={tiny_model_dir}"]
-    out = {name: root / name for name in ("S", "A", "B")}
-    for name, nproc in (("S", 1), ("A", 2)):
-        done = _launch(base + [f"trainer.output_dir={out[name]}"], nproc)
-        assert done.returncode == 0, f"{name} failed:\n{done.stderr[-4000:]}"
+    out = {name: root / name for name in ("S", "B")}
+    spec = importlib.util.spec_from_file_location("fsdp_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    run(load_config(None, base + [f"trainer.output_dir={out['S']}"]), reward_fn=worker.parity_reward)
+
     killed = _launch(["--kill-after-save", "1", *base, f"trainer.output_dir={out['B']}"], 2)
     assert killed.returncode != 0, "the run meant to die after its step-1 checkpoint finished"
     ck = out["B"] / "checkpoints"
     killed_state = {"step_1": (ck / "step_1" / "state.pt").is_file(), "step_2": (ck / "step_2").exists(),
                     "final": (out["B"] / "final").exists()}
+    killed_metrics = _metrics(out["B"])
     resumed = _launch(base + [f"trainer.output_dir={out['B']}", "trainer.resume=true"], 2)
     assert resumed.returncode == 0, f"resume failed:\n{resumed.stderr[-4000:]}"
-    return out, killed_state
+    return out, killed_state, killed_metrics
 
 
 def _ckpt_model(run: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
@@ -209,23 +218,30 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 def test_two_ranks_take_the_one_process_steps(runs, tmp_path, tiny_model_dir):
-    """(a) After each step the FSDP2 parameters equal the one-process ones (fp32), and every
-    metric computed over all ranks' rows equals the one-process value: same rollouts (weights
-    synced to each rank's engine), same advantages, same global token-mean gradient (grad norm)."""
+    """(a) After step 1 (uninterrupted) and step 2 (after kill + resume) the FSDP2 parameters equal
+    the one-process ones (fp32), and every metric computed over all ranks' rows equals the
+    one-process value: same rollouts (weights synced into each rank's engine), same advantages,
+    same global token-mean gradient (grad norm, loss)."""
     from transformers import AutoModelForCausalLM
 
-    out, _ = runs
+    out, _, _ = runs
     init = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     for step in (1, 2):
-        s, a = _ckpt_model(out["S"], step, tmp_path), _ckpt_model(out["A"], step, tmp_path)
-        moved = _max_diff(s, {k: init[k] for k in s})
-        assert moved > 0.5 * LR * step  # Adam moves weights by ~lr per step: a real update
-        # Adam divides by sqrt(v) + 1e-8: reduction-order noise on near-zero gradients shows up as
-        # ~1e-5 here; a wrong gradient (a rank's rows lost, wrong sign) moves weights by ~lr = 1e-2
-        assert _max_diff(s, a) < 1e-4, step
-    ms, ma = _metrics(out["S"]), _metrics(out["A"])
-    assert [m["step"] for m in ma] == [1, 2]
-    for x, y in zip(ms, ma):
+        s, b = _ckpt_model(out["S"], step, tmp_path), _ckpt_model(out["B"], step, tmp_path)
+        ds = torch.cat([(s[k] - init[k]).flatten() for k in sorted(s)])
+        db = torch.cat([(b[k] - init[k]).flatten() for k in sorted(s)])
+        assert ds.abs().max() > 0.5 * LR  # Adam moves weights by ~lr per step: a real update
+        # Adam's g / (|g| + 1e-8) turns fp32 reduction-order noise on (near-)zero gradient entries
+        # into visible differences on a few entries (measured: ~1e-4 of the update's norm, < 1e-4 of
+        # the entries off by more than lr / 100); a wrong gradient (a rank's rows lost, a sign, a lost
+        # optimizer state) changes the update by O(its norm). The gradient's scale, which Adam hides,
+        # is checked through the grad-norm and loss metrics below.
+        rel = float((ds - db).norm() / ds.norm())
+        off = float(((ds - db).abs() > LR / 100).float().mean())
+        assert rel < 3e-3 and off < 1e-3, (step, rel, off)
+    ms, mb = _metrics(out["S"]), _metrics(out["B"])
+    assert [m["step"] for m in mb] == [1, 2]
+    for x, y in zip(ms, mb):
         for key in ("reward/mean", "response/policy_tokens_mean", "advantages/std", "advantages/num_tokens",
                     "actor/grad_norm", "actor/pg_loss", "actor/entropy", "variance_proxy/proxy2_total_power"):
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
@@ -233,20 +249,18 @@ def test_two_ranks_take_the_one_process_steps(runs, tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_step(runs, tmp_path):
-    """(b) Every rank dies right after the step-1 checkpoint; the resumed run's step 2 (weights and
-    metrics) equals the uninterrupted 2-rank run's."""
-    out, killed = runs
+def test_killed_run_resumes_at_the_next_step(runs):
+    """(b) Every rank dies right after the step-1 checkpoint; the resumed run continues at step 2
+    from the DCP shards, the data cursor and every rank's RNG (its step-2 weights and metrics are
+    checked against the uninterrupted one-process run above)."""
+    out, killed, killed_metrics = runs
     assert killed == {"step_1": True, "step_2": False, "final": False}
-    assert [m["step"] for m in _metrics(out["B"])] == [1, 2]
-    for step in (1, 2):
-        assert _max_diff(_ckpt_model(out["A"], step, tmp_path), _ckpt_model(out["B"], step, tmp_path)) < 1e-6
-    for x, y in zip(_metrics(out["A"]), _metrics(out["B"])):
-        for key in ("reward/mean", "actor/grad_norm", "actor/pg_loss", "advantages/std"):
-            assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-9), key
+    assert [m["step"] for m in killed_metrics] == [1]
+    metrics = _metrics(out["B"])
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[0] == killed_metrics[0]
     state = torch.load(out["B"] / "checkpoints" / "step_2" / "state.pt", weights_only=False)
     assert state["distributed"] and state["world_size"] == 2 and len(state["rng_per_rank"]) == 2
-    assert state["cursor"] == {"epoch": 0, "position": 4}
+    assert state["cursor"] == {"epoch": 0, "position": 4} and state["step"] == 2
 
 
 @pytest.mark.slow
@@ -255,10 +269,22 @@ def test_final_folder_is_a_plain_hf_model_with_the_trained_weights(runs, tmp_pat
     weights of the last sharded update."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out, _ = runs
-    for name in ("A", "B"):
-        model = AutoModelForCausalLM.from_pretrained(out[name] / "final")
-        AutoTokenizer.from_pretrained(out[name] / "final")
-        assert _max_diff(model.state_dict(), _ckpt_model(out[name], 2, tmp_path)) == 0.0
-        summary = json.loads((out[name] / "summary.json").read_text())
-        assert summary["world_size"] == 2 and summary["final_model"] == str(out[name] / "final")
+    out, _, _ = runs
+    model = AutoModelForCausalLM.from_pretrained(out["B"] / "final")
+    AutoTokenizer.from_pretrained(out["B"] / "final")
+    assert _max_diff(model.state_dict(), _ckpt_model(out["B"], 2, tmp_path)) == 0.0
+    summary = json.loads((out["B"] / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["final_model"] == str(out["B"] / "final")
+
+
+@pytest.mark.slow
+def test_eval_split_over_ranks_matches_one_process(runs):
+    """Held-out episodes split over the ranks (3 items: 2 + 1) and gathered give the one-process
+    before/after figures; the resumed run reuses the before-figures of the killed one."""
+    out, _, _ = runs
+    s = json.loads((out["S"] / "summary.json").read_text())
+    b = json.loads((out["B"] / "summary.json").read_text())
+    assert s["before"]["n"] == b["before"]["n"] == 3
+    for phase in ("before", "after"):
+        for key, value in s[phase].items():
+            assert b[phase][key] == pytest.approx(value, nan_ok=True), (phase, key)
