@@ -109,6 +109,8 @@ def test_breakdown_counts():
     assert row["call_exact"] == pytest.approx(2 / 3)  # "12 * 34" and print(12*34); not 12*35
     assert row["copy_out"] == 0.5  # 2 calls returned the answer, 1 of them boxed it
     assert row["guess_rate"] == 0.25 and row["guess_accuracy"] == 1.0
+    table = warm_start.format_breakdown({"mul": row}).splitlines()
+    assert table[0].split()[:3] == ["kind", "n", "accuracy"] and table[1].split()[:3] == ["mul", "4", "0.50"]
 
 
 @pytest.mark.parametrize("bad", [
