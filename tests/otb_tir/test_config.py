@@ -48,5 +48,10 @@ def test_shipped_configs_are_valid():
     from pathlib import Path
 
     for path in sorted(Path(__file__).resolve().parents[2].glob("recipes/configs/*.yaml")):
+        if path.name.startswith("eval_"):  # evaluation configs have their own schema
+            from otb_tir.evaluation import load_eval_config
+
+            load_eval_config(path)
+            continue
         cfg = load_config(path)  # raises ConfigError on any unknown / ill-typed key
         assert cfg.algorithm.adv_estimator in CHOICES["algorithm.adv_estimator"]
