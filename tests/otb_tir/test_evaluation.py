@@ -315,3 +315,16 @@ def test_evaluate_on_real_episodes_and_tools(tmp_path, tiny_model_dir, tiny_toke
     assert data["with_tools"]["overall"]["accuracy/mean@n"] == pytest.approx(0.5)
     assert "| runtime_error" in (tmp_path / "eval.md").read_text()
     assert "| accuracy/pass@2" in summary_text(report)
+
+
+@pytest.mark.parametrize("engine, module", [("vllm", "vllm"), ("sglang", "sglang")])
+def test_uninstalled_engine_is_a_config_error_naming_the_install(engine, module, tiny_model_dir):
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    from otb_tir.evaluation.run import build_engine
+
+    cfg = load_eval_config(DEFAULT_CONFIG, [f"rollout.name={engine}", f"model.path={tiny_model_dir}"])
+    with pytest.raises(ConfigError, match="pip install"):
+        build_engine(cfg, tiny_model_dir, None)
