@@ -13,7 +13,7 @@ heavy p50 <= 10 ms, >= 3x the reference's throughput).
 ``--variants`` runs several sandbox configurations side by side (each its own pool, all started
 before measuring) and interleaves them in ``--rounds`` rounds, so that load from other processes
 on the machine falls on all of them alike: ``default``; ``no_raw_fork`` / ``no_thp`` (one worker
-performance switch off) or ``prefault`` (the opt-in one on), see docs/sandbox_perf.md;
+performance switch off) or ``prefault`` (the opt-in one on), see the README, "Python sandbox: the fast path";
 ``workers=K`` (pool size). The targets are
 checked on the first variant. CPU per call is the robust figure on a busy machine; wall-clock
 figures need a quiet one.

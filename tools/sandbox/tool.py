@@ -67,7 +67,7 @@ class PythonTool(Tool):
     ``image`` (docker image), ``debug`` (worker stderr to the trainer's stderr),
     ``worker_options`` (performance switches of the fork server; none changes what a snippet may
     do: ``raw_fork`` and ``thp`` default on, ``prefault`` off; ``profile`` adds per-call timings
-    to the worker's replies; see docs/sandbox_perf.md).
+    to the worker's replies; see the README, "Python sandbox: the fast path").
 
     Output: stdout and stderr interleaved as a terminal shows them; a traceback keeps only the
     snippet's own frames; when the last statement is a bare expression its ``repr`` is printed
