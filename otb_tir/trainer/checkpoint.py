@@ -48,6 +48,12 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    _publish(tmp, final, state, root, keep)
+    return final
+
+
+def _publish(tmp: Path, final: Path, state: dict, root: Path, keep: int) -> None:
+    """Write ``state.pt`` last into ``tmp``, fsync it, rename ``tmp`` to ``final``, prune old steps."""
     torch.save(state, tmp / "state.pt")
     with open(tmp / "state.pt", "rb") as f:
         os.fsync(f.fileno())
@@ -56,7 +62,6 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
     os.replace(tmp, final)
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -98,14 +103,7 @@ def save_distributed_checkpoint(root: str | Path, step: int, model, optimizer, s
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
     dist.barrier()  # every shard is on disk
     if rank == 0:
-        torch.save({**state, "distributed": True, "world_size": world}, tmp / "state.pt")
-        with open(tmp / "state.pt", "rb") as f:
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, final, {**state, "distributed": True, "world_size": world}, root, keep)
     dist.barrier()
     return final
 
