@@ -111,14 +111,18 @@ def test_template_renders_tools_calls_and_grouped_responses(tiny_tokenizer):
         {"role": "assistant", "content": "\\boxed{4, 9}"},
     ]
     out = render(tiny_tokenizer, messages, tools=[CALC_SCHEMA, PY_SCHEMA])
+    # tools are listed compactly: one JSON line per tool, argument names → JSON-schema types
     expected_system = (
-        "<|im_start|>system\nBe brief.\n\n# Tools\n\n"
-        "You can call the tools below. Their JSON signatures are inside <tools></tools>:\n<tools>\n"
-        + json.dumps(CALC_SCHEMA, ensure_ascii=False) + "\n" + json.dumps(PY_SCHEMA, ensure_ascii=False)
-        + "\n</tools>\n\nTo call a tool, write a JSON object with the tool name and its arguments between"
-        " <tool_call></tool_call> tags:\n<tool_call>\n"
-        '{"name": <tool-name>, "arguments": <arguments-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n"
+        '{"name": "calculator", "arguments": {"expression": "string"}}\n'
+        '{"name": "python", "arguments": {"code": "string"}}\n'
+        "</tools>\nCall a tool as <tool_call>\n"
+        '{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n'
     )
+    for schema, line in zip([CALC_SCHEMA, PY_SCHEMA], expected_system.split("<tools>\n")[1].split("\n")):
+        fn = schema.get("function", schema)
+        assert json.loads(line) == {"name": fn["name"],
+                                    "arguments": {k: v["type"] for k, v in fn["parameters"]["properties"].items()}}
     expected_rest = (
         "<|im_start|>user\nWhat is 2+2 and 3*3?<|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -140,7 +144,7 @@ def test_template_without_tools_or_system(tiny_tokenizer):
     assert out == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
     # tools but no system message: the tools block is the system prompt
     out = render(tiny_tokenizer, [{"role": "user", "content": "hi"}], tools=[CALC_SCHEMA])
-    assert out.startswith("<|im_start|>system\n# Tools\n\n") and out.endswith("<|im_start|>user\nhi<|im_end|>\n")
+    assert out.startswith("<|im_start|>system\n# Tools\n<tools>\n") and out.endswith("<|im_start|>user\nhi<|im_end|>\n")
 
 
 def test_template_assistant_content_with_call_and_reasoning(tiny_tokenizer):
@@ -276,3 +280,14 @@ def test_cache_dir_env_and_concurrent_builders(tmp_path, monkeypatch):
     assert tiny_policy_dir(hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64) == Path(outs[0])
     other = tiny_policy_dir(tmp_path / "elsewhere", hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64, seed=1)
     assert other.parent == tmp_path / "elsewhere" and other.name != Path(outs[0]).name
+
+
+def test_template_compact_tool_lines_edge_cases(tiny_tokenizer):
+    """A tool without parameters, a bare (unwrapped) schema, and a property without a ``type``."""
+    tools = [{"type": "function", "function": {"name": "now", "description": "time"}},
+             {"name": "lookup", "parameters": {"type": "object", "properties": {
+                 "key": {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "n": {"type": "integer"}}}}]
+    out = render(tiny_tokenizer, [{"role": "user", "content": "hi"}], tools=tools)
+    lines = out.split("<tools>\n")[1].split("\n</tools>")[0].split("\n")
+    assert [json.loads(x) for x in lines] == [{"name": "now", "arguments": {}},
+                                              {"name": "lookup", "arguments": {"key": "any", "n": "integer"}}]
