@@ -23,7 +23,8 @@ from otb_tir import ConfigError
 class ModelConfig:
     path: str | None = None  # local HF causal LM folder; None → the built-in warm-started tiny policy
     dtype: str = "float32"  # float32 | bfloat16 | float16 (training params stay float32; bf16 = autocast)
-    warm_start_steps: int = 700  # SFT steps of the built-in tiny policy (cached per settings)
+    warm_start_steps: int = 400  # SFT steps of the built-in tiny policy on all traces (cached per settings)
+    warm_start_copy_steps: int = 800  # first SFT phase, on the tool-call traces only (learns to copy)
 
 
 @dataclass

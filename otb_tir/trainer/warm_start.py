@@ -40,7 +40,7 @@ from otb_tir.trainer.sft import SFTConfig, SFTExample, sft_train, tokenize_conve
 logger = logging.getLogger(__name__)
 
 #: Bump when trace generation or training code changes: cached folders are keyed on it.
-WARM_VERSION = 2
+WARM_VERSION = 3
 #: The tools of the default recipe, in the order an episode lists them.
 DEFAULT_TOOLS = ("python", "calculator")
 #: Kinds whose expression Python's ``print`` evaluates to the exact answer.
@@ -232,7 +232,11 @@ def make_traces(n: int, seed: int = 0, mixture: TraceMixture | None = None) -> l
 class WarmStartSettings:
     """Everything that determines a warm start (its cache key, with the base model's config)."""
 
-    steps: int = 700
+    steps: int = 400
+    #: steps of a first phase on the tool-call traces only: the policy learns to copy the
+    #: question's numbers into the call (an induction-style skill that appears abruptly, after
+    #: ~600 steps here) before the full mixture sets when it calls a tool
+    copy_steps: int = 800
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 50
@@ -244,6 +248,8 @@ class WarmStartSettings:
     mixture: TraceMixture = field(default_factory=TraceMixture)
 
     def validate(self) -> None:
+        if not isinstance(self.copy_steps, int) or isinstance(self.copy_steps, bool) or self.copy_steps < 0:
+            raise ConfigError(f"warm start copy_steps must be an int >= 0, got {self.copy_steps!r}")
         for name in ("steps", "batch_size", "n_traces", "hidden_size", "layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -261,6 +267,12 @@ class WarmStartSettings:
         return SFTConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, seed=self.seed,
                          warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio, progress=progress)
 
+    def copy_sft_config(self, progress: bool = False) -> SFTConfig:
+        """The first (tool traces only) phase: same optimiser settings, ``copy_steps`` steps."""
+        return SFTConfig(steps=self.copy_steps, batch_size=self.batch_size, lr=self.lr, seed=self.seed + 1,
+                         warmup_steps=min(self.warmup_steps, self.copy_steps - 1), min_lr_ratio=1.0,
+                         progress=progress)
+
     def base_model_overrides(self) -> dict[str, int]:
         """Keyword arguments of ``agent_env.tiny.tiny_policy_dir`` for this base size."""
         return {"hidden_size": self.hidden_size, "layers": self.layers, "heads": self.hidden_size // 64,
@@ -276,6 +288,7 @@ def _default_cache_root() -> Path:
 
 def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int | None = None,
                       seed: int = 0, n_traces: int | None = None, batch_size: int | None = None,
+                      copy_steps: int | None = None,
                       lr: float | None = None, hidden_size: int | None = None, layers: int | None = None,
                       warmup_steps: int | None = None, mixture: TraceMixture | None = None,
                       base: str | os.PathLike | None = None, progress: bool = True) -> Path:
@@ -295,7 +308,7 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
 
     from agent_env.tiny import tiny_policy_dir
 
-    given = {"steps": steps, "n_traces": n_traces, "batch_size": batch_size, "lr": lr,
+    given = {"steps": steps, "copy_steps": copy_steps, "n_traces": n_traces, "batch_size": batch_size, "lr": lr,
              "hidden_size": hidden_size, "layers": layers, "warmup_steps": warmup_steps}
     settings = WarmStartSettings(seed=seed, mixture=mixture or TraceMixture(),
                                  **{k: v for k, v in given.items() if v is not None})
@@ -320,8 +333,15 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     traces = make_traces(settings.n_traces, seed=seed, mixture=settings.mixture)
     examples = [tokenize_conversation(tokenizer, m, tools=schemas) for m in traces]
     t1 = time.perf_counter()
-    cfg = settings.sft_config(progress=progress)
-    losses = sft_train(model, examples, tokenizer.pad_token_id, cfg)
+    losses: list[float] = []
+    if settings.copy_steps:
+        with_call = [e for e, m in zip(examples, traces) if any(x.get("tool_calls") for x in m)]
+        if not with_call:
+            raise ConfigError("copy_steps > 0 needs traces with tool calls (the mixture has none)")
+        logger.info("warm start phase 1: %d steps on the %d tool-call traces", settings.copy_steps, len(with_call))
+        losses += sft_train(model, with_call, tokenizer.pad_token_id, settings.copy_sft_config(progress=progress))
+    logger.info("warm start phase 2: %d steps on all %d traces", settings.steps, len(examples))
+    losses += sft_train(model, examples, tokenizer.pad_token_id, settings.sft_config(progress=progress))
     t2 = time.perf_counter()
 
     root.mkdir(parents=True, exist_ok=True)
@@ -510,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build (or reuse) the cached warm-start policy and check it.")
     d = WarmStartSettings()
     ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--copy-steps", type=int, default=d.copy_steps)
     ap.add_argument("--n-traces", type=int, default=d.n_traces)
     ap.add_argument("--batch-size", type=int, default=d.batch_size)
     ap.add_argument("--lr", type=float, default=d.lr)
@@ -522,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.perf_counter()
-    path = warm_start_policy(args.cache_dir, steps=args.steps, seed=args.seed, n_traces=args.n_traces,
+    path = warm_start_policy(args.cache_dir, steps=args.steps, copy_steps=args.copy_steps, seed=args.seed, n_traces=args.n_traces,
                              batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                              hidden_size=args.hidden_size, layers=args.layers)
     logger.info("policy: %s (%.1f s)", path, time.perf_counter() - t)

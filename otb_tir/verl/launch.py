@@ -201,7 +201,7 @@ def _model_path(cfg: DictConfig) -> str:
         return str(path)
     from otb_tir.trainer.warm_start import warm_start_policy
 
-    return str(warm_start_policy(steps=cfg.model.warm_start_steps, seed=0))
+    return str(warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps, seed=0))
 
 
 def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:

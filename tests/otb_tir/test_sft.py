@@ -185,8 +185,8 @@ def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatc
     from otb_tir.trainer import warm_start
 
     base = tiny_policy_dir()
-    path = warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, warmup_steps=1, base=base,
-                                         progress=False)
+    path = warm_start.warm_start_policy(tmp_path, steps=3, copy_steps=2, n_traces=12, batch_size=4, warmup_steps=1,
+                                         base=base, progress=False)
     assert path.parent == tmp_path and (path / "otb_tir_warm_start.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
     tok = AutoTokenizer.from_pretrained(path)
@@ -197,7 +197,8 @@ def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatc
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), base_model.parameters()))
     # a second call with the same settings reuses the folder without training
     monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
-    assert warm_start.warm_start_policy(tmp_path, steps=3, n_traces=12, batch_size=4, warmup_steps=1, base=base) == path
+    assert warm_start.warm_start_policy(tmp_path, steps=3, copy_steps=2, n_traces=12, batch_size=4, warmup_steps=1,
+                                         base=base) == path
     # bad settings fail before any work
     with pytest.raises(ConfigError):
         warm_start.warm_start_policy(tmp_path, steps=0, base=base)

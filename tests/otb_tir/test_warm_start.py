@@ -114,7 +114,7 @@ def test_breakdown_counts():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(steps=0), dict(batch_size=-1), dict(n_traces=0), dict(hidden_size=100), dict(layers=0),
+    dict(steps=0), dict(copy_steps=-1), dict(batch_size=-1), dict(n_traces=0), dict(hidden_size=100), dict(layers=0),
     dict(lr=0.0), dict(warmup_steps=10, steps=10), dict(mixture=TraceMixture(tool=-1)),
     dict(mixture=TraceMixture(tool_share={"cubic": 0.5})), dict(mixture=TraceMixture(tool_share={"mul": 1.5})),
     dict(mixture=TraceMixture(guess_right=2.0)),
@@ -139,7 +139,7 @@ def test_cache_key_same_settings_same_folder(tmp_path, monkeypatch):
     from agent_env.tiny import tiny_policy_dir
 
     base = tiny_policy_dir()
-    kw = dict(steps=2, n_traces=6, batch_size=3, warmup_steps=1, base=base, progress=False)
+    kw = dict(steps=2, copy_steps=1, n_traces=6, batch_size=3, warmup_steps=1, base=base, progress=False)
     first = warm_start.warm_start_policy(tmp_path, **kw)
     assert (first / "otb_tir_warm_start.json").is_file()
     monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
@@ -153,3 +153,45 @@ def test_cache_key_same_settings_same_folder(tmp_path, monkeypatch):
 def test_default_settings_are_valid():
     WarmStartSettings().validate()
     TraceMixture().validate()
+
+
+def test_copy_phase_trains_on_tool_call_traces_only(tmp_path, monkeypatch):
+    """Phase 1 (``copy_steps``) sees exactly the traces with a tool call, phase 2 all of them;
+    the recorded loss curve covers both phases."""
+    from agent_env.tiny import tiny_policy_dir
+
+    base = tiny_policy_dir()
+    seen = []
+    real = warm_start.sft_train
+
+    def spy(model, examples, pad_id, cfg):
+        seen.append((list(examples), cfg))
+        return real(model, examples, pad_id, cfg)
+
+    monkeypatch.setattr(warm_start, "sft_train", spy)
+    path = warm_start.warm_start_policy(tmp_path, steps=2, copy_steps=3, n_traces=16, batch_size=4,
+                                        warmup_steps=1, base=base, progress=False)
+    (phase1, cfg1), (phase2, cfg2) = seen
+    assert (cfg1.steps, cfg2.steps) == (3, 2)
+    from transformers import AutoTokenizer
+
+    call_id = AutoTokenizer.from_pretrained(base).convert_tokens_to_ids("<tool_call>")
+    traces = warm_start.make_traces(16, seed=0)
+    with_call = sum(any(m.get("tool_calls") for m in msgs) for msgs in traces)
+    assert 0 < len(phase1) == with_call < len(phase2) == 16
+    def calls(e):  # the policy writes a <tool_call> (the system prompt's mention has no loss)
+        return any(i == call_id and m for i, m in zip(e.input_ids, e.loss_mask))
+
+    assert all(calls(e) for e in phase1)
+    assert sum(calls(e) for e in phase2) == with_call
+    record = __import__("json").loads((path / "otb_tir_warm_start.json").read_text())
+    assert len(record["losses"]) == 5
+
+
+def test_copy_phase_needs_tool_traces(tmp_path):
+    from agent_env.tiny import tiny_policy_dir
+
+    with pytest.raises(ConfigError, match="copy_steps"):
+        warm_start.warm_start_policy(tmp_path, steps=1, copy_steps=2, n_traces=4, batch_size=2, warmup_steps=0,
+                                     base=tiny_policy_dir(), progress=False,
+                                     mixture=TraceMixture(tool_share={k: 0.0 for k in warm_start.DEFAULT_TOOL_SHARE}))
