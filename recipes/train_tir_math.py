@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+        return 0
     print(json.dumps({k: summary.get(k) for k in ("before", "after", "wall_time_s")}, indent=2))
     print(f"run folder: {cfg.trainer.output_dir} (summary.json, metrics.jsonl, curves.png, tensorboard/)")
     return 0

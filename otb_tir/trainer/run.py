@@ -61,7 +61,7 @@ def policy_path(cfg) -> Path:
         return path
     from otb_tir.trainer.warm_start import warm_start_policy
 
-    return warm_start_policy(steps=cfg.model.warm_start_steps, seed=0)
+    return warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps, seed=0)
 
 
 def build_optimizer(cfg, model):
@@ -187,10 +187,10 @@ def _run(cfg, info, reward_fn) -> dict[str, Any]:
         barrier(world)
         summary["final_model"] = str(final)
     finally:
-        import asyncio
+        from agent_env.rollout import run_sync
 
-        asyncio.run(engine.close())
-        asyncio.run(env.close())
+        run_sync(engine.close())  # on the loop the rollouts ran on, so the sandbox closes cleanly
+        run_sync(env.close())
         if trainer.logger is not None:
             trainer.logger.close()
     summary["wall_time_s"] = time.perf_counter() - t_start

@@ -15,7 +15,6 @@ a one-process run), metrics are computed over all ranks' rows, checkpoints go th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from agent_env import AgentEnv, EpisodeConfig, RolloutBatch, Trajectory, rollout_async
+from agent_env.rollout import run_sync
 from agent_env.reward import RewardConfig as EnvRewardConfig
 from otb_tir import ConfigError
 from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
@@ -168,7 +168,9 @@ class Trainer:
         episode seeds are those the same prompts get in a one-process rollout of the whole batch."""
         prompts = [{"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"],
                     "uid": f"{seed}-{offset + i}"} for i, it in enumerate(items)]
-        return asyncio.run(rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n,
+        # one persistent event loop for the whole run: the tools' sandbox workers (bound to the loop
+        # that started them) live across steps instead of being restarted by a new loop per step
+        return run_sync(rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n,
                                          progress=self.rank == 0))
 
     def evaluate(self, items: Sequence[dict] | None = None, tag: str = "val") -> tuple[dict[str, float], list[Trajectory]]:
@@ -262,9 +264,9 @@ class Trainer:
 
     def _sync_weights(self) -> None:
         if self.weights_fn is None:  # the engine shares the trainer's model
-            asyncio.run(self.engine.update_weights({}))
+            run_sync(self.engine.update_weights({}))
             return
-        asyncio.run(self.engine.update_weights(self.weights_fn()))
+        run_sync(self.engine.update_weights(self.weights_fn()))
 
     # ------------------------------------------------------------------ checkpoints
 
