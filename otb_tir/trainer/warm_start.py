@@ -13,7 +13,9 @@ same schemas an episode puts in the system prompt). A :class:`TraceMixture` sets
   changed) and boxes the wrong result the tool returns.
 
 The mixture deliberately leaves the policy *inconsistent* at using tools, so that RL has room to
-improve it. :func:`warm_start_policy` trains briefly on CPU and caches the result under the user's
+improve it. :func:`warm_start_policy` trains briefly on CPU, in two phases (``copy_steps`` on the
+tool-call traces only, where the policy learns to copy the question into its calls, then
+``steps`` on the whole mixture), and caches the result under the user's
 cache directory keyed by every setting; ``python -m otb_tir.trainer.warm_start --check`` builds it
 and prints its tool-call rate and held-out accuracy with and without tool execution.
 """
@@ -105,6 +107,12 @@ class TraceMixture:
 
 
 _EQUATION = re.compile(r"(?:Solve for x: |Find x if |solution of |largest x with )(.+ = -?\d+)[.?]$")
+
+
+def _kinds() -> tuple[str, ...]:
+    from agent_env.data import KINDS
+
+    return KINDS
 
 
 def reference_call(item: dict[str, Any]) -> tuple[str, str]:
@@ -261,6 +269,9 @@ class WarmStartSettings:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"warm start min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         self.mixture.validate()
+        if self.copy_steps and not any(1 - self.mixture.mode_weights(k)["guess"] > 0 for k in _kinds()):
+            raise ConfigError("copy_steps > 0 needs a mixture with tool-call traces (every kind only guesses); "
+                              "set copy_steps=0 or give some kind a tool share")
         self.sft_config().validate()
 
     def sft_config(self, progress: bool = False) -> SFTConfig:
@@ -543,8 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.perf_counter()
-    path = warm_start_policy(args.cache_dir, steps=args.steps, copy_steps=args.copy_steps, seed=args.seed, n_traces=args.n_traces,
-                             batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+    path = warm_start_policy(args.cache_dir, steps=args.steps, copy_steps=args.copy_steps, seed=args.seed,
+                             n_traces=args.n_traces, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                              hidden_size=args.hidden_size, layers=args.layers)
     logger.info("policy: %s (%.1f s)", path, time.perf_counter() - t)
     if args.check:

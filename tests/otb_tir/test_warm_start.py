@@ -188,9 +188,10 @@ def test_copy_phase_trains_on_tool_call_traces_only(tmp_path, monkeypatch):
     assert len(record["losses"]) == 5
 
 
-def test_copy_phase_needs_tool_traces(tmp_path):
+def test_copy_phase_needs_tool_traces(tmp_path, monkeypatch):
     from agent_env.tiny import tiny_policy_dir
 
+    monkeypatch.setattr(warm_start, "make_traces", lambda *a, **k: pytest.fail("worked on bad settings"))
     with pytest.raises(ConfigError, match="copy_steps"):
         warm_start.warm_start_policy(tmp_path, steps=1, copy_steps=2, n_traces=4, batch_size=2, warmup_steps=0,
                                      base=tiny_policy_dir(), progress=False,
