@@ -96,11 +96,10 @@ def test_advantages_of_rank_blocks_equal_the_whole_batch(groups, n, world, seed,
 def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_model_factory, tiny_tokenizer):
     """Trainer._rollout of each rank's block (shard_items, offset) gives the uids and sampled
     tokens of a one-process rollout of the whole batch: every uid group on exactly one rank."""
-    import asyncio
-
     from agent_env import AgentEnv
     from agent_env.data import make_split
     from agent_env.engines.hf import HFEngine
+    from agent_env.rollout import run_sync
     from otb_tir.trainer.config import load_config
     from otb_tir.trainer.run import build_optimizer
     from otb_tir.trainer.trainer import Trainer, episode_config
@@ -127,8 +126,8 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
         per_rank = [{t.uid for t in tr_trajs} for tr_trajs in (blocks[:4], blocks[4:])]
         assert not (per_rank[0] & per_rank[1])
     finally:
-        asyncio.run(engine.close())
-        asyncio.run(env.close())
+        run_sync(engine.close())  # the trainers' persistent loop
+        run_sync(env.close())
 
 
 def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):

@@ -65,10 +65,10 @@ def test_one_step_updates_policy_for_every_estimator(tmp_path, tiny_model_factor
 
 
 def asyncio_close(tr):
-    import asyncio
+    from agent_env.rollout import run_sync
 
-    asyncio.run(tr.engine.close())
-    asyncio.run(tr.env.close())
+    run_sync(tr.engine.close())  # on the trainer's persistent loop, where its rollouts ran
+    run_sync(tr.env.close())
 
 
 @pytest.mark.slow
