@@ -51,7 +51,7 @@ class GPUCheckError(RuntimeError):
     pass
 
 
-def _distinct_token_reward(text, ground_truth, traj) -> float:
+def _token_hash_reward(text, ground_truth, traj) -> float:
     """A reward that differs between any two different samples (so advantages are non-zero): a hash
     of the response tokens in [0, 1). (A distinct-token ratio was 1.0 for every short random sample.)"""
     ids = traj.response_ids
@@ -206,7 +206,7 @@ def run_check(args) -> dict[str, Any]:
         def weights_fn():
             return full_state_dict(hf_model)
 
-    env = AgentEnv(tokenizer, config=episode_config(cfg), reward_fn=_distinct_token_reward)
+    env = AgentEnv(tokenizer, config=episode_config(cfg), reward_fn=_token_hash_reward)
     optimizer, scheduler = build_optimizer(cfg, actor)
     trainer = Trainer(cfg, actor, optimizer, scheduler, engine, env, make_split("train", 64, seed=0),
                       make_split("test", 4, seed=0), out_dir, weights_fn=weights_fn, autocast_dtype=autocast)
