@@ -32,7 +32,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -107,12 +107,6 @@ class TraceMixture:
 
 
 _EQUATION = re.compile(r"(?:Solve for x: |Find x if |solution of |largest x with )(.+ = -?\d+)[.?]$")
-
-
-def _kinds() -> tuple[str, ...]:
-    from agent_env.data import KINDS
-
-    return KINDS
 
 
 def reference_call(item: dict[str, Any]) -> tuple[str, str]:
@@ -269,7 +263,9 @@ class WarmStartSettings:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"warm start min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         self.mixture.validate()
-        if self.copy_steps and not any(1 - self.mixture.mode_weights(k)["guess"] > 0 for k in _kinds()):
+        from agent_env.data import KINDS
+
+        if self.copy_steps and not any(self.mixture.mode_weights(k)["guess"] < 1 for k in KINDS):
             raise ConfigError("copy_steps > 0 needs a mixture with tool-call traces (every kind only guesses); "
                               "set copy_steps=0 or give some kind a tool share")
         self.sft_config().validate()
@@ -280,9 +276,8 @@ class WarmStartSettings:
 
     def copy_sft_config(self, progress: bool = False) -> SFTConfig:
         """The first (tool traces only) phase: same optimiser settings, ``copy_steps`` steps."""
-        return SFTConfig(steps=self.copy_steps, batch_size=self.batch_size, lr=self.lr, seed=self.seed + 1,
-                         warmup_steps=min(self.warmup_steps, self.copy_steps - 1), min_lr_ratio=1.0,
-                         progress=progress)
+        return replace(self.sft_config(progress), steps=self.copy_steps, seed=self.seed + 1,
+                       warmup_steps=min(self.warmup_steps, self.copy_steps - 1), min_lr_ratio=1.0)
 
     def base_model_overrides(self) -> dict[str, int]:
         """Keyword arguments of ``agent_env.tiny.tiny_policy_dir`` for this base size."""
@@ -555,8 +550,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.perf_counter()
     path = warm_start_policy(args.cache_dir, steps=args.steps, copy_steps=args.copy_steps, seed=args.seed,
-                             n_traces=args.n_traces, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                             hidden_size=args.hidden_size, layers=args.layers)
+                             n_traces=args.n_traces, batch_size=args.batch_size, lr=args.lr,
+                             warmup_steps=args.warmup_steps, hidden_size=args.hidden_size, layers=args.layers)
     logger.info("policy: %s (%.1f s)", path, time.perf_counter() - t)
     if args.check:
         items = make_split("test", args.check, seed=0)
