@@ -41,6 +41,7 @@ from agent_env import EnvError
 from agent_env.engines.base import Engine, SamplingParams
 from agent_env.parsers import ParsedCall, get_parser
 from agent_env.reward import RewardConfig, RewardResult, extract_answer, math_reward
+from agent_env.tool_metrics import MALFORMED_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ __all__ = ["EpisodeConfig", "ToolCallRecord", "TurnRecord", "Trajectory", "Agent
 
 FINISH_REASONS = ("answer", "void_turn", "max_turns", "length", "turn_length", "tool_overflow", "abort")
 
-# Error kinds counted as "malformed calls" (the model's fault, not the tool's).
-MALFORMED_KINDS = ("malformed_call", "unknown_tool", "bad_arguments")
 
 
 @dataclass
@@ -65,9 +64,12 @@ class EpisodeConfig:
     """
 
     parser: Literal["hermes", "code_block"] = "hermes"
-    tools: list[str] = field(default_factory=lambda: ["python", "calculator"])
+    # The tool set, for AgentEnv(tools=None): tools.build_tool_set(tools, tool_config, tool_config_path).
+    # tools=None: [python, calculator] unless tool_config_path (a verl-style tools YAML) is set.
+    tools: list[str] | None = None
     # keyword config per tool name for tools.get_tool, e.g. {"python": {"stateful": True}}
     tool_config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tool_config_path: str | None = None
     max_assistant_turns: int = 4
     max_response_tokens: int = 1024
     max_tokens_per_turn: int = 256
@@ -237,7 +239,7 @@ class AgentEnv:
     """The environment: a tokenizer with a chat template, tools, a parser and budgets.
 
     ``tools`` is a mapping name → :class:`tools.Tool` or a sequence of tools; ``None`` builds the
-    tools named in ``config.tools`` with ``tools.get_tool`` (and :meth:`close` closes them).
+    tool set of ``config`` with :func:`tools.build_tool_set` (and :meth:`close` closes them).
     ``reward_fn(response_text, ground_truth, trajectory)`` returns a :class:`RewardResult` or a
     float; the default is :func:`agent_env.reward.math_reward` with ``config.reward``.
     """
@@ -250,16 +252,15 @@ class AgentEnv:
         self.parser = get_parser(self.config.parser)
         self._owns_tools = tools is None
         if tools is None:
-            import tools as tools_pkg
+            from tools import ToolError, build_tool_set
 
-            get_tool = getattr(tools_pkg, "get_tool", None)
-            if get_tool is None:
-                raise EnvError("tools.get_tool is not available; pass tool instances to AgentEnv(tools=...)")
-            unknown = sorted(set(self.config.tool_config) - set(self.config.tools))
-            if unknown:
-                raise EnvError(f"tool_config names tools {unknown} that are not in tools={self.config.tools}")
-            tools = [get_tool(name, **self.config.tool_config.get(name, {})) for name in self.config.tools]
-        if isinstance(tools, Mapping):
+            try:
+                tools = build_tool_set(self.config.tools, self.config.tool_config, self.config.tool_config_path)
+            except ToolError as e:
+                raise EnvError(f"tools: {e}") from None
+        if isinstance(tools, dict):
+            self.tools = tools  # kept as given: a tools.ToolSet keeps the record of where each tool came from
+        elif isinstance(tools, Mapping):
             self.tools = dict(tools)
         else:
             self.tools = {t.name: t for t in tools}

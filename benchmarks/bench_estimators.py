@@ -38,11 +38,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from otb_tir.advantage import get_estimator
+from otb_tir.configs import CONFIG_DIR
+from otb_tir.metrics import variance_proxy_metrics
 
-from otb_tir.advantage import get_estimator  # noqa: E402
-from otb_tir.metrics import variance_proxy_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: runs/ go here
 
 log = logging.getLogger("bench_estimators")
 
@@ -304,7 +304,7 @@ def run_one(cfg, trained: str, paired: Sequence[str], measure_every: int) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "recipes/configs/tir_math_cpu.yaml"))
+    p.add_argument("--config", default=str(CONFIG_DIR / "tir_math_cpu.yaml"))
     p.add_argument("--estimators", nargs="+", default=list(TRAINED), help="estimators to train with")
     p.add_argument("--paired", nargs="+", default=list(PAIRED), help="estimators measured on every measured batch")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])

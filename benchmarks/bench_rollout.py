@@ -24,16 +24,14 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from agent_env import AgentEnv, EpisodeConfig, rollout_async
+from agent_env.engines.base import GenerationOutput, SamplingParams
+from agent_env.episode import _Activity
 
-from agent_env import AgentEnv, EpisodeConfig, rollout_async  # noqa: E402
-from agent_env.engines.base import GenerationOutput, SamplingParams  # noqa: E402
-from agent_env.episode import _Activity  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (its .venv-vllm)
 
 
 def tc(name: str, **args: str) -> str:

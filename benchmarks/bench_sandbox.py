@@ -31,13 +31,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from tools.sandbox import PythonTool  # noqa: E402
+from tools.sandbox import PythonTool
 
 TRIVIAL = "print(sum(range(1000)))"
 HEAVY = ("import numpy as np\nimport sympy as sp\nx = sp.Symbol('x')\n"

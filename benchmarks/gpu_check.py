@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: runs/ go here
 log = logging.getLogger("gpu_check")
 
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

@@ -1,63 +1,16 @@
 #!/usr/bin/env python
-"""Evaluate how well a model reasons with tools: accuracy (mean@n, pass@k) with and without
-tools, tool-call rate and success, errors by kind, turns, void turns, tool-token share, lengths,
-finish reasons, overall and per data source. Writes <output.dir>/<output.name>.json (every figure
-and per-episode records), .md and PNG plots.
+"""Evaluate how well a model reasons with tools (accuracy with and without tools, tool calls,
+errors by kind, turns; JSON + Markdown + PNG report).
 
-    python recipes/eval_tool_use.py                                     # built-in tiny policy, 100 problems × 4
+A thin wrapper of ``otb-tir-eval`` (``otb_tir/eval.py``) for a checkout; same arguments:
+
     python recipes/eval_tool_use.py --model runs/tir_math/final output.name=after
-    python recipes/eval_tool_use.py --model M data.files=[test.parquet] rollout.n=8 eval.pass_k=[1,4,8]
-    python recipes/eval_tool_use.py --compare runs/eval_tool_use/before.json runs/eval_tool_use/after.json
-
-Arguments are dotted overrides of recipes/configs/eval_tool_use.yaml (or --config FILE).
+    python recipes/eval_tool_use.py --help
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "recipes/configs/eval_tool_use.yaml"))
-    p.add_argument("--model", default=None, help="local HF model folder (default: built-in tiny policy)")
-    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two reports side by side")
-    p.add_argument("--out", default=None, help="--compare: PNG to write (default: next to B, compare.png)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    from otb_tir import ConfigError
-
-    try:
-        if args.compare:
-            from otb_tir.evaluation.report import compare_text, load_report, plot_compare
-
-            if args.overrides or args.model:
-                raise ConfigError("--compare takes two report files and no overrides or --model")
-            a, b = (load_report(f) for f in args.compare)
-            print(compare_text(args.compare[0], a, args.compare[1], b))
-            out = args.out or str(Path(args.compare[1]).with_name("compare.png"))
-            print(f"plot: {plot_compare(args.compare[0], a, args.compare[1], b, out)}")
-            return 0
-        from otb_tir.evaluation import evaluate, load_eval_config, summary_text
-
-        overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else [])
-        cfg = load_eval_config(args.config, overrides)
-        report = evaluate(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    print(summary_text(report))
-    print("report: " + ", ".join(report["files"].values()))
-    return 0
-
+from otb_tir.eval import main
 
 if __name__ == "__main__":
     sys.exit(main())

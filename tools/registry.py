@@ -47,8 +47,10 @@ __all__ = [
     "VerlToolAdapter",
     "get_tool",
     "list_tools",
+    "load_tool_entries",
     "load_tools",
     "register_tool",
+    "tool_source",
     "unregister_tool",
 ]
 
@@ -235,9 +237,30 @@ def _construct(target: Any, config: dict[str, Any], *, label: str) -> Tool:
 
 # ----------------------------------------------------------------------------------- YAML (verl shape)
 
+def tool_source(name: str) -> str:
+    """Where :func:`get_tool` finds ``name``: ``registered``, ``built-in (...)`` or ``entry point ...``."""
+    with _LOCK:
+        if name in _REGISTRY:
+            target = _REGISTRY[name]
+            return f"registered ({target})" if isinstance(target, str) else "registered"
+        if name in _BUILTINS:
+            return f"built-in ({_BUILTINS[name]})"
+    ep = _entry_points().get(name)
+    if ep is None:
+        return "unknown"
+    dist = getattr(getattr(ep, "dist", None), "name", None)
+    return f"entry point {ENTRY_POINT_GROUP}:{name} = {ep.value}" + (f" (distribution {dist})" if dist else "")
+
+
 def load_tools(path: str | os.PathLike[str]) -> list[Tool]:
     """Build the tools listed in a YAML file in verl's tool-config shape (see the module doc).
     Raises :class:`ToolError` naming the entry and the problem."""
+    return [made for made, _, _ in load_tool_entries(path)]
+
+
+def load_tool_entries(path: str | os.PathLike[str]) -> list[tuple[Tool, str, dict[str, Any]]]:
+    """:func:`load_tools` with, for each tool, where it is defined (``"<path>: tools[i] (class)"``)
+    and its config. A failure closes the tools built before it."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -250,7 +273,7 @@ def load_tools(path: str | os.PathLike[str]) -> list[Tool]:
         raise ToolError(f"cannot read tool config {path!r}: {exc}") from exc
     if not isinstance(raw, dict) or not isinstance(raw.get("tools"), list):
         raise ToolError(f"{path}: expected a top-level 'tools:' list (verl tool-config shape)")
-    built: list[Tool] = []
+    built: list[tuple[Tool, str, dict[str, Any]]] = []
     for i, entry in enumerate(raw["tools"]):
         where = f"{path}: tools[{i}]"
         if not isinstance(entry, dict):
@@ -258,12 +281,27 @@ def load_tools(path: str | os.PathLike[str]) -> list[Tool]:
         unknown = sorted(set(entry) - {"class_name", "name", "config", "tool_schema"})
         if unknown:
             raise ToolError(f"{where}: unknown key(s) {unknown}; valid keys: class_name, name, config, tool_schema")
-        built.append(_tool_from_entry(entry, where))
-    names = [t.name for t in built]
+        label = entry.get("class_name") or f"name: {entry.get('name')}"
+        try:
+            made = _tool_from_entry(entry, where)
+        except BaseException as exc:
+            _close_later([t for t, _, _ in built])
+            if isinstance(exc, Exception) and not isinstance(exc, ToolError):  # a plugin's own constructor
+                raise ToolError(f"{where} ({label}) failed to load: {type(exc).__name__}: {exc}") from exc
+            raise
+        built.append((made, f"{where} ({label})", dict(entry.get("config") or {})))
+    names = [t.name for t, _, _ in built]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
+        _close_later([t for t, _, _ in built])
         raise ToolError(f"{path}: tool name(s) {duplicates} appear more than once; each tool needs a unique name")
     return built
+
+
+def _close_later(built: list[Tool]) -> None:
+    from tools.assembly import _close_quietly
+
+    _close_quietly(built)
 
 
 def _tool_from_entry(entry: dict[str, Any], where: str) -> Tool:

@@ -19,7 +19,7 @@ from otb_tir.trainer.config import ModelConfig, MultiTurnConfig, RewardConfig, l
 
 __all__ = ["EvalConfig", "load_eval_config", "EVAL_CHOICES", "DEFAULT_CONFIG"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "eval_tool_use.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "eval_tool_use.yaml"  # shipped in the package
 
 
 @dataclass
@@ -112,14 +112,15 @@ def _check(cfg: DictConfig) -> None:
         raise ConfigError("eval.without_tools=true needs multi_turn.format=hermes: the code_block format runs "
                           "every code block with the python tool, so it has no tools-disabled variant; "
                           "set eval.without_tools=false")
-    if not cfg.multi_turn.tools and not cfg.multi_turn.tool_config_path:
-        raise ConfigError("no tools: set multi_turn.tools (e.g. [python, calculator]) or multi_turn.tool_config_path")
+    if cfg.multi_turn.tools is not None and not cfg.multi_turn.tools and not cfg.multi_turn.tool_config_path:
+        raise ConfigError("no tools: multi_turn.tools is empty and no multi_turn.tool_config_path is set; list tool "
+                          "names (e.g. multi_turn.tools=[python,calculator]) or give a verl-style tools YAML")
     if not cfg.output.name or "/" in cfg.output.name:
         raise ConfigError(f"'output.name' must be a plain file stem; got {cfg.output.name!r}")
 
 
 def load_eval_config(path: str | Path | None = DEFAULT_CONFIG, overrides: Sequence[str] = ()) -> DictConfig:
-    """Schema defaults ← YAML (default ``recipes/configs/eval_tool_use.yaml``) ← ``key=value``
+    """Schema defaults ← YAML (default: the shipped ``otb_tir/configs/eval_tool_use.yaml``) ← ``key=value``
     overrides, validated (unknown keys, bad types, choices, ranges, ``k > n``).
 
     Files, tools and the tokenizer are checked when the run starts (:func:`otb_tir.evaluation.run.prepare`).

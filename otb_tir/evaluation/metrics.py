@@ -11,11 +11,10 @@ Definitions (an *episode* is one sampled trajectory; a *call* is one parsed tool
 - ``accuracy/mean@n``: share of correct episodes (``reward_details["correct"]``), i.e. the mean over
   problems of c/n. ``accuracy/pass@k``: mean over problems of the unbiased estimator
   1 - C(n-c, k)/C(n, k) (Chen et al. 2021).
-- ``tools/call_rate``: share of episodes with at least one call; ``tools/calls_per_episode``;
-  ``tools/success_rate``: calls that returned ok / all calls (an output cut short still counts as ok);
-  ``tools/executed_success_rate``: ok / calls that reached a tool.
-- ``errors/<kind>``: number of calls per kind (see :func:`classify_call`); ``errors/<kind>_per_call``
-  the same over all calls.
+- ``tools/*`` and ``errors/*``: the tool-use figures of :mod:`agent_env.tool_metrics` (one
+  definition for training, evaluation and verl: ``tools/success_rate`` = ok / (ok + failed), calls
+  written on the last allowed turn are ``tools/not_executed``, neither ok nor failed), plus
+  ``tools/by_name/<name>`` (calls per tool name).
 - ``turns/mean`` and ``turns/hist/<t>`` (share of episodes with t assistant turns).
 - ``episode/void_turn_rate``: share of episodes with at least one void turn (neither a call nor an
   answer); ``episode/void_turns_per_turn``: void turns / all turns.
@@ -26,27 +25,20 @@ Definitions (an *episode* is one sampled trajectory; a *call* is one parsed tool
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter, defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from agent_env import ToolCallRecord, Trajectory
+from agent_env import Trajectory
+from agent_env.tool_metrics import ERROR_KINDS, SHOWN_ERROR_KINDS, classify_call
 from otb_tir.trainer.trainer import trajectory_metrics
 
 __all__ = ["pass_at_k", "classify_call", "ERROR_KINDS", "ISSUE_ERROR_KINDS", "is_correct", "figures",
            "group_figures", "episode_record"]
 
-#: the kinds the report always shows (zero when absent), in this order
-ISSUE_ERROR_KINDS = ("syntax_error", "runtime_error", "timeout", "memory", "output_cut", "malformed_call",
-                     "unknown_tool")
-#: every kind :func:`classify_call` returns
-ERROR_KINDS = ISSUE_ERROR_KINDS + ("bad_arguments", "sandbox_error", "blocked", "not_executed", "other")
-
-# The exception named on the last "Name: message" line of a Python traceback.
-_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Interrupt|Exit))\b", re.M)
-_SYNTAX_EXC = {"SyntaxError", "IndentationError", "TabError"}
+#: the kinds the report always shows (zero when absent); the definitions live in agent_env.tool_metrics
+ISSUE_ERROR_KINDS = SHOWN_ERROR_KINDS
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -63,55 +55,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
 
 
-def _exception_name(text: str) -> str | None:
-    names = _EXC_LINE.findall(text or "")
-    return names[-1] if names else None
-
-
-def classify_call(call: ToolCallRecord) -> str | None:
-    """The error kind of one call (``None``: it succeeded), one of :data:`ERROR_KINDS`.
-
-    The tool's own ``error`` (an ``ErrorKind`` value) is taken as it is, except that a
-    ``runtime_error`` whose text ends on a ``SyntaxError``/``IndentationError`` traceback (code
-    that a tool compiled at run time, or a tool that does not tell the two apart) counts as
-    ``syntax_error``, and one ending on ``MemoryError`` as ``memory``. A call the episode never
-    ran (the last allowed turn still called tools) is ``not_executed``.
-    """
-    err = call.error
-    if err is None:
-        if call.ok:
-            return None
-        if not call.executed:
-            return "not_executed"
-        return _kind_from_text(call.text) or "other"
-    if err == "runtime_error":
-        name = _exception_name(call.text)
-        if name in _SYNTAX_EXC:
-            return "syntax_error"
-        if name == "MemoryError":
-            return "memory"
-        return "runtime_error"
-    return err if err in ERROR_KINDS else "other"
-
-
-def _kind_from_text(text: str) -> str | None:
-    name = _exception_name(text)
-    if name is None:
-        return None
-    if name in _SYNTAX_EXC:
-        return "syntax_error"
-    if name == "MemoryError":
-        return "memory"
-    if name == "TimeoutError":
-        return "timeout"
-    return "runtime_error"
-
-
 def is_correct(t: Trajectory) -> bool:
     return bool(t.reward_details.get("correct", False))
 
 
-def _calls(t: Trajectory) -> list[ToolCallRecord]:
+def _calls(t: Trajectory) -> list:
     return [c for tr in t.turns for c in tr.tool_calls]
 
 
@@ -140,22 +88,9 @@ def figures(trajs: Sequence[Trajectory], pass_k: Iterable[int] = (1,), group_key
     out["reward/mean"] = base["reward/mean"]
 
     calls = [c for t in trajs for c in _calls(t)]
-    executed = [c for c in calls if c.executed]
-    out["tools/call_rate"] = base["tools/call_rate"]
-    out["tools/calls_per_episode"] = base["tools/calls_per_episode"]
-    out["tools/calls"] = float(len(calls))
-    out["tools/success_rate"] = base["tools/success_rate"]
-    out["tools/executed_success_rate"] = (sum(c.ok for c in executed) / len(executed)) if executed else math.nan
+    out.update({k: v for k, v in base.items() if k.startswith(("tools/", "errors/"))})
     for name, count in sorted(Counter(c.name or "<none>" for c in calls).items()):
         out[f"tools/by_name/{name}"] = float(count)
-
-    kinds = Counter(classify_call(c) for c in calls)
-    kinds.pop(None, None)
-    out["errors/total"] = float(sum(kinds.values()))
-    for kind in ERROR_KINDS:
-        if kind in ISSUE_ERROR_KINDS or kinds.get(kind):
-            out[f"errors/{kind}"] = float(kinds.get(kind, 0))
-            out[f"errors/{kind}_per_call"] = kinds.get(kind, 0) / len(calls) if calls else math.nan
 
     turns = np.array([t.num_turns for t in trajs], dtype=float)
     out["turns/mean"] = float(turns.mean())

@@ -27,9 +27,13 @@ DEFINITIONS = {
     "accuracy/any_correct": "share of problems with at least one correct sample (= pass@n)",
     "tools/call_rate": "share of episodes with at least one tool call (malformed ones included)",
     "tools/calls_per_episode": "parsed tool calls per episode",
-    "tools/success_rate": "calls that returned ok / all calls (output cut short counts as ok)",
+    "tools/success_rate": "ok calls / (ok + failed) calls; calls on the last allowed turn are not executed and "
+                          "count as neither (tools/not_executed); output cut short counts as ok "
+                          "(agent_env.tool_metrics, the same definition as training's)",
     "tools/executed_success_rate": "calls that returned ok / calls that reached a tool",
     "errors/<kind>": "calls per error kind: " + ", ".join(ERROR_KINDS),
+    "tool_set": "the tools in use: name, class, where it came from (built-in, entry point, tools YAML), "
+                "its config and the sandbox's isolation level",
     "turns/hist/<t>": "share of episodes with t assistant turns",
     "episode/void_turn_rate": "share of episodes with a void turn (neither a tool call nor an answer)",
     "response/tool_token_share": "response tokens inserted by tools (mask 0) / all response tokens",
@@ -77,6 +81,7 @@ def build_report(cfg: DictConfig, prep: Any, passes: dict[str, tuple[list, dict]
             "model": str(prep.model_path), "engine": cfg.rollout.name, "data": prep.data_desc,
             "problems": len(items), "n": cfg.rollout.n, "temperature": cfg.rollout.temperature,
             "seed": cfg.eval.seed, "tools": sorted(prep.tools), "pass_k": pass_k,
+            "tool_set": prep.tools.describe() if hasattr(prep.tools, "describe") else [],
             "max_assistant_turns": cfg.multi_turn.max_assistant_turns,
             "response_length": cfg.rollout.response_length, "format": cfg.multi_turn.format,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": wall_s,

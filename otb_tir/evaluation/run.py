@@ -11,7 +11,6 @@ an error observation (``unknown_tool``: "Error: unknown tool 'python'. Available
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,27 +67,6 @@ def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
     return items, desc
 
 
-def _build_tools(cfg: DictConfig) -> dict[str, Any]:
-    import tools as tools_pkg
-    from tools.base import ToolError
-
-    mt = cfg.multi_turn
-    try:
-        if mt.tool_config_path:
-            if not Path(mt.tool_config_path).expanduser().is_file():
-                raise ConfigError(f"multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
-            built = tools_pkg.load_tools(Path(mt.tool_config_path).expanduser())
-        else:
-            known = tools_pkg.list_tools()
-            unknown = [name for name in mt.tools if name not in known]
-            if unknown:
-                raise ConfigError(f"multi_turn.tools: unknown tool(s) {unknown}; available tools: {', '.join(known)}")
-            built = [tools_pkg.get_tool(name) for name in mt.tools]
-    except ToolError as e:
-        raise ConfigError(f"tools: {e}") from None
-    return {t.name: t for t in built}
-
-
 def _check_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -105,6 +83,7 @@ def _check_tokenizer(path: Path) -> Any:
 def prepare(cfg: DictConfig) -> Prepared:
     """Check every input before any episode runs; bad input raises :class:`ConfigError`."""
     from agent_env import AgentEnv, EnvError
+    from otb_tir.builders import build_tools
     from otb_tir.trainer.run import policy_path
     from otb_tir.trainer.trainer import episode_config
 
@@ -112,7 +91,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path} is not a local Hugging Face model folder (no config.json); "
                           "a trained checkpoint is e.g. runs/tir_math/final")
-    tools = _build_tools(cfg)
+    tools = build_tools(cfg)
     try:
         path = policy_path(cfg)  # model.path, or the built-in warm-started tiny policy (cached)
         tokenizer = _check_tokenizer(path)
@@ -125,7 +104,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     except BaseException:
         from agent_env.rollout import run_sync
 
-        run_sync(_close_tools(tools))
+        run_sync(tools.close())
         raise
     return Prepared(items=items, tools=tools, model_path=path, tokenizer=tokenizer, data_desc=desc)
 
@@ -142,14 +121,6 @@ async def _start_tools(tools: dict[str, Any]) -> None:
             except Exception as e:  # noqa: BLE001 - a sandbox that cannot run would make every figure meaningless
                 raise ConfigError(f"tool {t.name!r} could not start: {type(e).__name__}: {e}") from e
     log.info("tools %s started in %.1f s", sorted(tools), time.perf_counter() - t0)
-
-
-async def _close_tools(tools: dict[str, Any]) -> None:
-    for t in tools.values():
-        try:
-            await t.close()
-        except Exception:  # noqa: BLE001
-            log.warning("closing tool %r failed", t, exc_info=True)
 
 
 def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
@@ -225,7 +196,7 @@ def evaluate(cfg: DictConfig, prepared: Prepared | None = None) -> dict[str, Any
 
         if engine is not None:
             run_sync(engine.close())
-        run_sync(_close_tools(prep.tools))
+        run_sync(prep.tools.close())
     report = build_report(cfg, prep, passes, wall_s=time.perf_counter() - t0)
     write_report(report, cfg)
     return report

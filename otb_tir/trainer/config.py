@@ -56,8 +56,13 @@ class MultiTurnConfig:
     max_tool_response_length: int = 48  # tokens
     tool_response_truncate_side: str = "middle"  # head | tail | middle
     max_parallel_calls: int = 4
-    tools: list[str] = field(default_factory=lambda: ["python", "calculator"])
-    tool_config_path: str | None = None  # verl-style tools YAML; replaces `tools` when set
+    # The tool set (one assembly for training, eval and verl: tools.build_tool_set). `tools`: names for
+    # tools.get_tool (built-ins, @tool/register_tool, `otb_tir.tools` entry points); null = [python,
+    # calculator] unless a tools YAML is given. `tool_config`: keyword settings per name, e.g.
+    # {python: {timeout: 5}}. `tool_config_path`: a verl-style tools YAML whose tools are added to `tools`.
+    tools: list[str] | None = None
+    tool_config: dict[str, Any] = field(default_factory=dict)
+    tool_config_path: str | None = None
     tool_timeout: float = 5.0
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -103,12 +102,8 @@ def run(cfg, *, reward_fn=None) -> dict[str, Any]:
 
 
 def _run(cfg, info, reward_fn) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from agent_env import AgentEnv
-    from agent_env.engines.hf import HFEngine
-    from otb_tir.trainer.distributed import barrier, broadcast_object, fsdp_wrap, full_state_dict
-    from otb_tir.trainer.trainer import Trainer, episode_config, summary_figures
+    from otb_tir.builders import build_tools
+    from otb_tir.trainer.distributed import barrier
 
     t_start = time.perf_counter()
     rank, world = info.rank, info.world_size
@@ -124,6 +119,24 @@ def _run(cfg, info, reward_fn) -> dict[str, Any]:
         raise ConfigError(f"the local trainer runs rollout.name=hf; rollout.name={cfg.rollout.name} "
                           "is for trainer=verl (vLLM / sglang servers managed by verl)")
     device = info.device if info.distributed else resolve_device(cfg.trainer.device)
+    tools = build_tools(cfg)  # before any heavy work: a tool that does not load stops the run here
+    try:
+        return _run_with_tools(cfg, info, reward_fn, tools, device, t_start, out)
+    finally:
+        from agent_env.rollout import run_sync
+
+        run_sync(tools.close())  # on the loop the rollouts ran on, so the sandbox closes cleanly
+
+
+def _run_with_tools(cfg, info, reward_fn, tools, device, t_start: float, out: Path) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_env import AgentEnv
+    from agent_env.engines.hf import HFEngine
+    from otb_tir.trainer.distributed import barrier, broadcast_object, fsdp_wrap, full_state_dict
+    from otb_tir.trainer.trainer import Trainer, episode_config, summary_figures
+
+    rank, world = info.rank, info.world_size
     path = policy_path(cfg) if rank == 0 else None
     path = Path(broadcast_object(str(path) if path else None, world))  # rank 0 builds the cached warm start
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -154,14 +167,15 @@ def _run(cfg, info, reward_fn) -> dict[str, Any]:
         engine = HFEngine(model, tokenizer, share_weights=True, max_batch_size=cfg.rollout.max_batch_size,
                           seed=cfg.trainer.seed, stop_at_eos=False)
         actor = model
-    env = AgentEnv(tokenizer, config=episode_config(cfg), reward_fn=reward_fn)
+    env = AgentEnv(tokenizer, tools=tools, config=episode_config(cfg), reward_fn=reward_fn)
     train_items, val_items = load_items(cfg)
     optimizer, scheduler = build_optimizer(cfg, actor)
     trainer = Trainer(cfg, actor, optimizer, scheduler, engine, env, train_items, val_items, out,
                       weights_fn=weights_fn, ref_model=ref_model, rank=rank, world_size=world,
                       autocast_dtype=autocast)
     summary: dict[str, Any] = {"model": str(path), "adv_estimator": cfg.algorithm.adv_estimator,
-                               "seed": cfg.trainer.seed, "steps": cfg.trainer.total_steps, "world_size": world}
+                               "seed": cfg.trainer.seed, "steps": cfg.trainer.total_steps, "world_size": world,
+                               "tools": tools.describe()}
     try:
         resumed = trainer.maybe_resume()
         before_file = out / "before.json"
@@ -189,8 +203,7 @@ def _run(cfg, info, reward_fn) -> dict[str, Any]:
     finally:
         from agent_env.rollout import run_sync
 
-        run_sync(engine.close())  # on the loop the rollouts ran on, so the sandbox closes cleanly
-        run_sync(env.close())
+        run_sync(engine.close())
         if trainer.logger is not None:
             trainer.logger.close()
     summary["wall_time_s"] = time.perf_counter() - t_start

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from agent_env import AgentEnv, EpisodeConfig, RolloutBatch, Trajectory, rollout_async
+from agent_env.tool_metrics import tool_metrics
 from agent_env.rollout import run_sync
 from agent_env.reward import RewardConfig as EnvRewardConfig
 from otb_tir import ConfigError
@@ -46,7 +47,9 @@ def episode_config(cfg, *, n_override: dict[str, Any] | None = None) -> EpisodeC
     """agent_env's EpisodeConfig from the trainer config (rollout + multi_turn + reward)."""
     mt, ro = cfg.multi_turn, cfg.rollout
     d = dict(
-        parser=mt.format, tools=list(mt.tools), max_assistant_turns=mt.max_assistant_turns,
+        parser=mt.format, tools=None if mt.tools is None else list(mt.tools),
+        tool_config={k: dict(v) for k, v in mt.tool_config.items()}, tool_config_path=mt.tool_config_path,
+        max_assistant_turns=mt.max_assistant_turns,
         max_response_tokens=ro.response_length, max_tokens_per_turn=ro.max_tokens_per_turn,
         max_tool_response_tokens=mt.max_tool_response_length,
         tool_response_truncate_side=mt.tool_response_truncate_side, max_parallel_calls=mt.max_parallel_calls,
@@ -58,22 +61,17 @@ def episode_config(cfg, *, n_override: dict[str, Any] | None = None) -> EpisodeC
 
 
 def trajectory_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
-    """Reward, accuracy and tool-use figures of a set of episodes."""
+    """Reward, accuracy, episode and tool-use figures of a set of episodes (the tool figures are
+    :func:`agent_env.tool_metrics.tool_metrics`, the definition the evaluation and verl share)."""
     if not trajs:
         return {}
     n = len(trajs)
-    calls = sum(t.num_tool_calls for t in trajs)
-    ok_calls = sum(c.ok for t in trajs for tr in t.turns for c in tr.tool_calls)
     sampled = np.array([sum(t.response_mask) for t in trajs], dtype=float)
     total = np.array([len(t.response_ids) for t in trajs], dtype=float)
     out = {
         "reward/mean": float(np.mean([t.reward for t in trajs])),
         "reward/accuracy": float(np.mean([bool(t.reward_details.get("correct", False)) for t in trajs])),
-        "tools/call_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
-        "tools/calls_per_episode": calls / n,
-        "tools/success_rate": ok_calls / calls if calls else float("nan"),
-        "tools/errors_per_episode": sum(t.tool_errors for t in trajs) / n,
-        "tools/malformed_per_episode": sum(t.malformed_calls for t in trajs) / n,
+        **tool_metrics(trajs),
         "episode/turns_mean": float(np.mean([t.num_turns for t in trajs])),
         "episode/void_turn_rate": sum(t.void_turns > 0 for t in trajs) / n,
         "episode/template_mismatch_rate": sum(t.template_mismatch is not None for t in trajs) / n,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from otb_tir import ConfigError
-from otb_tir.trainer.sft import SFTConfig, SFTExample, sft_train, tokenize_conversation
+from otb_tir.trainer.sft import SFTConfig, sft_train, tokenize_conversation
 
 logger = logging.getLogger(__name__)
 

@@ -53,6 +53,7 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
 from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E402
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
 from agent_env.reward import RewardConfig  # noqa: E402
+from agent_env.tool_metrics import call_counts  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class ServerManagerEngine:
 
 def episode_config_from_verl(rollout_config: Any, *, max_tokens_per_turn: int | None = None,
                              tool_timeout: float | None = 10.0, system_prompt: str | None = None,
-                             reward: Mapping[str, Any] | None = None, tools: Sequence[str] = (),
+                             reward: Mapping[str, Any] | None = None, tools: Sequence[str] | None = None,
                              chat_template_kwargs: Mapping[str, Any] | None = None) -> EpisodeConfig:
     """The :class:`EpisodeConfig` that verl's ``actor_rollout_ref.rollout`` section describes."""
     mt = rollout_config.multi_turn
@@ -139,7 +140,7 @@ def episode_config_from_verl(rollout_config: Any, *, max_tokens_per_turn: int | 
                        "use hermes or code_block")
     cfg = EpisodeConfig(
         parser=mt.format,
-        tools=list(tools),
+        tools=None if tools is None else list(tools),
         max_assistant_turns=int(mt.max_assistant_turns or 8),
         max_response_tokens=R,
         max_tokens_per_turn=min(int(max_tokens_per_turn or R), R),
@@ -167,24 +168,17 @@ async def close_cached_tools() -> None:
     loop_id = id(asyncio.get_running_loop())
     for key in [k for k in _ENVS if k[0] == loop_id]:
         env = _ENVS.pop(key)
-        for tool in env.tools.values():
-            try:
-                await tool.close()
-            except Exception:  # noqa: BLE001
-                logger.warning("closing tool %r failed", tool, exc_info=True)
+        await env.tools.close()
 
 
-def _build_tools(names: Sequence[str], tool_config: Mapping[str, Any], tool_config_path: str | None) -> dict:
-    import tools as tools_pkg
+def _build_tools(names: Sequence[str] | None, tool_config: Mapping[str, Any], tool_config_path: str | None):
+    """The tool set, by the same assembly as the local trainer and the evaluation."""
+    from tools import ToolError, build_tool_set
 
-    if tool_config_path:
-        built = tools_pkg.load_tools(tool_config_path)
-    else:
-        unknown = sorted(set(tool_config) - set(names))
-        if unknown:
-            raise EnvError(f"tool_config names tools {unknown} that are not in otb_tools={list(names)}")
-        built = [tools_pkg.get_tool(name, **dict(tool_config.get(name, {}))) for name in names]
-    return {t.name: t for t in built}
+    try:
+        return build_tool_set(names, tool_config, tool_config_path)
+    except ToolError as e:
+        raise EnvError(f"{AGENT_NAME}: tools: {e}") from None
 
 
 @register(AGENT_NAME)
@@ -201,7 +195,7 @@ class OTBToolAgentLoop(AgentLoopBase):
             logger.warning("%s ignores verl's own tools (%s) from rollout.multi_turn.tool_config_path; "
                            "list ours with otb_tools / tool_config_path in the agent-loop YAML", AGENT_NAME,
                            [getattr(t, "name", t) for t in verl_tools])
-        self.otb_tool_names = list(_plain(otb_tools) if otb_tools is not None else ["python", "calculator"])
+        self.otb_tool_names = None if otb_tools is None else list(_plain(otb_tools))
         self.otb_tool_config = dict(_plain(tool_config) or {})
         self.otb_tool_config_path = tool_config_path
         self.episode_config = episode_config_from_verl(
@@ -265,11 +259,16 @@ class OTBToolAgentLoop(AgentLoopBase):
 
 
 def _reward_extra_info(traj: Trajectory | None) -> dict[str, float]:
-    """Per-trajectory figures verl logs next to the reward (same keys for every row)."""
+    """Per-trajectory figures verl logs next to the reward (same keys for every row). The tool
+    counts are :func:`agent_env.tool_metrics.call_counts`, the definition training and the
+    evaluation use: a batch's success rate is ``sum(tool_ok) / (sum(tool_ok) + sum(tool_failed))``."""
+    keys = ("acc", "tool_calls", "tool_ok", "tool_failed", "tool_not_executed", "tool_errors", "malformed_calls",
+            "void_turns", "assistant_turns")
     if traj is None:
-        return {"acc": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "malformed_calls": 0.0, "void_turns": 0.0,
-                "assistant_turns": 0.0}
+        return dict.fromkeys(keys, 0.0)
+    counts = call_counts(traj)
     return {"acc": float(bool(traj.reward_details.get("correct", False))),
-            "tool_calls": float(traj.num_tool_calls), "tool_errors": float(traj.tool_errors),
+            "tool_calls": float(counts["calls"]), "tool_ok": float(counts["ok"]), "tool_failed": float(counts["failed"]),
+            "tool_not_executed": float(counts["not_executed"]), "tool_errors": float(traj.tool_errors),
             "malformed_calls": float(traj.malformed_calls), "void_turns": float(traj.void_turns),
             "assistant_turns": float(traj.num_turns)}

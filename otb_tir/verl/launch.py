@@ -43,6 +43,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
 from otb_tir.verl import require_verl
+from tools import DEFAULT_TOOLS
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +209,9 @@ def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
     mt = cfg.multi_turn
     kwargs = {
         "_target_": AGENT_LOOP_TARGET,
-        "otb_tools": list(mt.tools),
-        "tool_config": {},
+        # the names build_tool_set resolves (None → the default set, or only the YAML's tools)
+        "otb_tools": list(mt.tools) if mt.tools is not None else ([] if mt.tool_config_path else list(DEFAULT_TOOLS)),
+        "tool_config": OmegaConf.to_container(mt.tool_config, resolve=True),
         "tool_config_path": str(Path(mt.tool_config_path).expanduser().resolve()) if mt.tool_config_path else None,
         "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn),
         "tool_timeout": float(mt.tool_timeout),
@@ -354,8 +356,29 @@ def validate_verl_config(vcfg: DictConfig) -> None:
         raise ConfigError(f"verl rejected the composed config: {exc}") from exc
 
 
+def _check_tools(cfg: DictConfig) -> list[dict[str, Any]]:
+    """Build the tool set once on the driver, as each agent-loop worker will (same assembly): a tool
+    that does not load stops the run here, not in a Ray worker minutes later. Writes the set in use
+    to ``<output_dir>/tools.json``."""
+    import json
+
+    from agent_env.rollout import run_sync
+    from otb_tir.builders import build_tools
+
+    tools = build_tools(cfg)
+    try:
+        described = tools.describe()
+    finally:
+        run_sync(tools.close())
+    out = Path(cfg.trainer.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tools.json").write_text(json.dumps(described, indent=2))
+    return described
+
+
 def run_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     """Compose, validate and run verl's PPO trainer with the OTB plugin (needs GPUs and Ray)."""
+    _check_tools(cfg)
     vcfg = compose_verl_config(cfg, overrides)
     from verl.trainer.main_ppo import run_ppo
     from verl.utils.device import auto_set_device

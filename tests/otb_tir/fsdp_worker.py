@@ -15,10 +15,7 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def parity_reward(text, ground_truth, traj):

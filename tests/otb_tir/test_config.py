@@ -47,7 +47,11 @@ def test_missing_file_and_bad_yaml_key(tmp_path):
 def test_shipped_configs_are_valid():
     from pathlib import Path
 
-    for path in sorted(Path(__file__).resolve().parents[2].glob("recipes/configs/*.yaml")):
+    from otb_tir.configs import CONFIG_DIR
+
+    paths = sorted(CONFIG_DIR.glob("*.yaml"))
+    assert {p.stem for p in paths} == {"tir_math_cpu", "eval_tool_use"}
+    for path in paths:
         if path.name.startswith("eval_"):  # evaluation configs have their own schema
             from otb_tir.evaluation import load_eval_config
 

@@ -195,12 +195,9 @@ def test_run_verl_and_the_recipe_call_run_ppo_with_our_task_runner(tiny_model_di
 
     calls = []
     monkeypatch.setattr(main_ppo, "run_ppo", lambda config, task_runner_class: calls.append((config, task_runner_class)))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
-    try:
-        import train_tir_math
-    finally:
-        sys.path.pop(0)
-    rc = train_tir_math.main([*BASE, f"trainer.output_dir={tmp_path}", "--model", str(tiny_model_dir)])
+    from otb_tir.train import main as train_main
+
+    rc = train_main([*BASE, f"trainer.output_dir={tmp_path}", "--model", str(tiny_model_dir)])
     assert rc == 0 and len(calls) == 1
     config, runner = calls[0]
     assert runner is OTBTaskRunner

@@ -1,0 +1,23 @@
+"""The configs shipped with the package: ``tir_math_cpu.yaml`` (training's built-in CPU default)
+and ``eval_tool_use.yaml`` (the tool-use evaluation). ``--config NAME`` picks one by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def resolve_config(value: str | Path) -> Path:
+    """A config file path, or the name of a shipped config (``tir_math_cpu``, ``eval_tool_use.yaml``)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if str(value) == path.name and shipped.is_file():
+        return shipped
+    return path  # the loader reports "config file not found"

@@ -1,0 +1,176 @@
+"""The one assembly of a run's tool set from configuration.
+
+Every path that runs episodes (the local trainer, the ``torchrun`` trainer, the evaluation and
+the verl agent loop) builds its tools with :func:`build_tool_set`, so a tool a user plugs in
+reaches all of them the same way:
+
+* ``names``: tool names for :func:`tools.get_tool`: built-ins (``python``, ``calculator``),
+  tools registered with ``@tool`` / ``register_tool``, and tools that installed packages
+  register under the ``otb_tir.tools`` entry-point group;
+* ``tool_config``: keyword configuration per name (``{"python": {"timeout": 5}}``);
+* ``config_path``: a verl-style tools YAML (see :func:`tools.load_tools`).
+
+The rules: with neither names nor a YAML the set is the built-in default (``python`` and
+``calculator``). A YAML alone gives exactly the YAML's tools. Names *and* a YAML give both (a
+name defined twice is an error, never a silent replacement). A set with no tools, a name that
+does not load, a bad config key or a bad schema raises :class:`ToolError` naming the tool and
+the reason, before any episode runs.
+
+The returned :class:`ToolSet` is a ``name → Tool`` mapping that also records where each tool
+came from (:meth:`ToolSet.describe`: name, class, source, config, isolation level), which the
+trainer writes into ``summary.json`` and the evaluation into its report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tools.base import Tool, ToolError
+
+__all__ = ["DEFAULT_TOOLS", "ToolOrigin", "ToolSet", "build_tool_set"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOOLS: tuple[str, ...] = ("python", "calculator")
+
+
+@dataclass
+class ToolOrigin:
+    """Where one tool of a set came from."""
+
+    name: str
+    cls: str  # module.QualName of the object that does the work (the wrapped class for verl tools)
+    source: str  # "built-in", "registered", "entry point ...", "<yaml>: tools[i]"
+    config: dict[str, Any] = field(default_factory=dict)
+    isolation: str | None = None  # the sandbox's isolation level, for tools that have one
+
+
+class ToolSet(dict):
+    """``name → Tool`` plus :attr:`origins` (``name → ToolOrigin``)."""
+
+    def __init__(self, tools: Sequence[Tool] = (), origins: Sequence[ToolOrigin] = ()) -> None:
+        super().__init__((t.name, t) for t in tools)
+        self.origins: dict[str, ToolOrigin] = {o.name: o for o in origins}
+
+    def describe(self) -> list[dict[str, Any]]:
+        """JSON-ready records of the tools in use, sorted by name."""
+        out = []
+        for name in sorted(self):
+            origin = self.origins.get(name) or ToolOrigin(name, _class_name(self[name]), "given")
+            rec = asdict(origin)
+            rec["isolation"] = _isolation(self[name])
+            out.append(rec)
+        return out
+
+    async def close(self) -> None:
+        for tool in self.values():
+            try:
+                await tool.close()
+            except Exception:  # noqa: BLE001 - closing must go on for the others
+                logger.warning("closing tool %r failed", tool, exc_info=True)
+
+
+def _class_name(tool: Any) -> str:
+    obj = getattr(tool, "inner", None) or tool  # VerlToolAdapter: the wrapped verl-style tool
+    cls = obj if isinstance(obj, type) else type(obj)
+    fn = getattr(tool, "fn", None)  # @tool functions: the function is the implementation
+    if fn is not None and callable(fn):
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _isolation(tool: Any) -> str | None:
+    try:
+        level = getattr(tool, "isolation", None)
+    except Exception:  # noqa: BLE001 - a property that fails says nothing about the set
+        return None
+    return level if isinstance(level, str) else None
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def build_tool_set(names: Sequence[str] | None = None, tool_config: Mapping[str, Mapping[str, Any]] | None = None,
+                   config_path: str | None = None) -> ToolSet:
+    """Build the tools a run uses (see the module docstring for the rules).
+
+    ``names=None`` means "not given" (the default set, unless ``config_path`` is set);
+    ``names=[]`` with no YAML is an error (no tools). Raises :class:`ToolError`.
+    """
+    from tools.registry import get_tool, load_tool_entries, tool_source
+
+    tool_config = _plain(dict(tool_config or {}))
+    if names is None:
+        names = [] if config_path else list(DEFAULT_TOOLS)
+    if isinstance(names, str):
+        raise ToolError(f"multi_turn.tools must be a list of tool names, got the string {names!r}")
+    names = [str(n) for n in names]
+    if not all(names):
+        raise ToolError(f"tool names must be non-empty strings, got {names!r}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ToolError(f"multi_turn.tools names {repeated} more than once")
+    stray = sorted(set(tool_config) - set(names))
+    if stray:
+        raise ToolError(f"multi_turn.tool_config has settings for {stray}, which are not in multi_turn.tools="
+                        f"{names}; add them to multi_turn.tools (tools of a tools YAML take their config there)")
+    for name, conf in tool_config.items():
+        if not isinstance(conf, Mapping):
+            raise ToolError(f"multi_turn.tool_config.{name} must be a mapping of keyword settings, got {conf!r}")
+
+    built: list[Tool] = []
+    origins: list[ToolOrigin] = []
+    try:
+        for name in names:
+            conf = dict(tool_config.get(name, {}))
+            try:
+                made = get_tool(name, **conf)
+            except ToolError as e:
+                msg = str(e)
+                raise ToolError(msg if repr(name) in msg else f"tool {name!r}: {msg}") from e
+            except Exception as e:  # noqa: BLE001 - a plugin's constructor: say which tool
+                raise ToolError(f"tool {name!r} failed to load: {type(e).__name__}: {e}") from e
+            built.append(made)
+            origins.append(ToolOrigin(name, _class_name(made), tool_source(name), conf))
+        if config_path:
+            for made, where, conf in load_tool_entries(config_path):
+                if made.name in {t.name for t in built}:
+                    raise ToolError(f"{where}: a tool named {made.name!r} is also in multi_turn.tools={names}; "
+                                    "a tool is defined once: drop it from multi_turn.tools (or rename it in "
+                                    "the YAML's tool_schema)")
+                built.append(made)
+                origins.append(ToolOrigin(made.name, _class_name(made), where, conf))
+    except BaseException:
+        _close_quietly(built)
+        raise
+    if not built:
+        raise ToolError("the configuration yields no tools: multi_turn.tools is empty and no "
+                        "multi_turn.tool_config_path is set; list tool names (e.g. multi_turn.tools=[python,"
+                        "calculator]) or give a verl-style tools YAML")
+    return ToolSet(built, origins)
+
+
+def _close_quietly(built: Sequence[Tool]) -> None:
+    """Close tools built before a later one failed (their worker pools must not leak)."""
+    import asyncio
+
+    async def close_all() -> None:
+        await ToolSet(built).close()
+
+    if not built:
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(close_all())
+        return
+    # inside a running loop (e.g. verl's agent loop): schedule it, the caller raises now
+    asyncio.ensure_future(close_all())
