@@ -32,11 +32,11 @@ class EvalDataConfig:
 class EvalRolloutConfig:
     name: str = "hf"  # engine: hf | vllm | sglang
     n: int = 4  # samples per problem
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = 1.0  # sampling temperature (0 = greedy)
+    top_p: float = 1.0  # nucleus sampling (1.0 = off)
+    top_k: int = -1  # top-k sampling (-1 = off)
     response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
-    max_tokens_per_turn: int = 96
+    max_tokens_per_turn: int = 96  # cap on one assistant turn (within what is left of R)
     max_batch_size: int = 64  # hf engine: requests decoded together
     device: str = "auto"  # hf engine: auto | cpu | cuda
     dtype: str = "auto"  # hf: float32 when auto; vllm/sglang: the engine default when auto
@@ -47,17 +47,17 @@ class EvalRolloutConfig:
 class EvalSettings:
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])  # every k must be <= rollout.n
     without_tools: bool = True  # also run the same model and prompts with tools disabled
-    seed: int = 0
+    seed: int = 0  # seed of sampling
     max_concurrent_episodes: int | None = None  # None: all episodes at once (the engine batches them)
 
 
 @dataclass
 class OutputConfig:
-    dir: str = "runs/eval_tool_use"
+    dir: str = "runs/eval_tool_use"  # report folder
     name: str = "eval"  # files: <dir>/<name>.json, <name>.md, <name>_*.png
     records: bool = True  # per-episode records in the JSON
-    plots: bool = True
-    progress: bool = True
+    plots: bool = True  # write the PNG figures
+    progress: bool = True  # a tqdm progress bar of the episodes
 
 
 @dataclass

@@ -30,48 +30,48 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in generator
-    val_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # verl-format parquet of held-out problems; empty → built-in held-out split
     train_size: int = 4000  # built-in generator only
-    val_size: int = 100
+    val_size: int = 100  # built-in generator only: held-out problems generated
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the training prompts each epoch
 
 
 @dataclass
 class RolloutConfig:
     name: str = "hf"  # hf | vllm | sglang
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    n: int = 8  # samples per prompt (the group size of the baselines)
+    temperature: float = 1.0  # sampling temperature of training rollouts (0 = greedy)
+    top_p: float = 1.0  # nucleus sampling (1.0 = off)
+    top_k: int = -1  # top-k sampling (-1 = off)
     response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
-    max_tokens_per_turn: int = 96
-    max_batch_size: int = 64
+    max_tokens_per_turn: int = 96  # cap on one assistant turn (within what is left of R)
+    max_batch_size: int = 64  # hf engine: requests decoded together
 
 
 @dataclass
 class MultiTurnConfig:
     format: str = "hermes"  # hermes | code_block
-    max_assistant_turns: int = 3
+    max_assistant_turns: int = 3  # assistant turns per episode; calls on the last turn are not executed
     max_tool_response_length: int = 48  # tokens
     tool_response_truncate_side: str = "middle"  # head | tail | middle
-    max_parallel_calls: int = 4
+    max_parallel_calls: int = 4  # tool calls of one turn run concurrently, at most this many at once
     # The tool set (one assembly for training, eval and verl: tools.build_tool_set). `tools`: names for
     # tools.get_tool (built-ins, @tool/register_tool, `otb_tir.tools` entry points); null = [python,
     # calculator] unless a tools YAML is given. `tool_config`: keyword settings per name, e.g.
     # {python: {timeout: 5}}. `tool_config_path`: a verl-style tools YAML whose tools are added to `tools`.
     tools: list[str] | None = None
-    tool_config: dict[str, Any] = field(default_factory=dict)
-    tool_config_path: str | None = None
-    tool_timeout: float = 5.0
+    tool_config: dict[str, Any] = field(default_factory=dict)  # keyword settings per tool name, e.g. {python: {timeout: 5}}
+    tool_config_path: str | None = None  # a verl-style tools YAML; its tools are added to `tools`
+    tool_timeout: float = 5.0  # seconds a tool call may take before it answers a timeout error
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    warmup_steps: int = 0
+    lr: float = 2e-4  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
+    warmup_steps: int = 0  # linear warmup steps
     lr_scheduler: str = "constant"  # constant | cosine
 
 
@@ -79,16 +79,16 @@ class OptimConfig:
 class ActorConfig:
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (× rollout.n trajectories), as verl
     ppo_micro_batch_size: int = 16  # trajectories per forward/backward
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 3.0
-    grad_clip: float = 1.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    entropy_coeff: float = 0.0
+    ppo_epochs: int = 1  # passes over each batch
+    clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
+    clip_ratio_high: float = 0.28  # PPO clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    grad_clip: float = 1.0  # max gradient norm (0 = off)
+    use_kl_loss: bool = False  # KL to a frozen reference copy of the initial policy
+    kl_loss_coef: float = 0.001  # weight of the KL loss
+    entropy_coeff: float = 0.0  # entropy bonus weight
     fused_token_stats: bool = True  # Σπ² / log-probs from hidden states, never the [T, V] logits
-    token_stats_chunk: int = 512
+    token_stats_chunk: int = 512  # tokens per chunk when computing log-probs / entropy / Σπ²
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -102,43 +102,43 @@ class FilterConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "tir_optimal_token_baseline"  # | optimal_token_baseline | grpo | rloo
-    handle_zero_tail: bool = True
-    norm_adv_by_std_in_grpo: bool = True
+    handle_zero_tail: bool = True  # OTB: as verl's handle_zero_tail (zero baseline past a row's last policy token)
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's reward std
     rollout_is: bool = False  # truncated IS weights π_old/π_rollout passed to the estimator
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: float = 2.0  # truncation of the IS weights
     filter: FilterConfig = field(default_factory=FilterConfig)
 
 
 @dataclass
 class RewardConfig:  # agent_env.reward.RewardConfig's shaping terms (off by default)
-    correct_reward: float = 1.0
-    incorrect_reward: float = 0.0
-    format_bonus: float = 0.0
-    tool_use_bonus: float = 0.0
+    correct_reward: float = 1.0  # reward of a correct final answer
+    incorrect_reward: float = 0.0  # reward of a wrong or missing answer
+    format_bonus: float = 0.0  # added when a final answer could be extracted at all (even a wrong one)
+    tool_use_bonus: float = 0.0  # added when at least one tool call succeeded
 
 
 @dataclass
 class EvalConfig:
     size: int = 100  # held-out problems
-    n: int = 1
-    temperature: float = 0.0
-    before: bool = True
-    after: bool = True
+    n: int = 1  # samples per held-out problem
+    temperature: float = 0.0  # held-out sampling temperature (0 = greedy)
+    before: bool = True  # evaluate before training (summary.json 'before')
+    after: bool = True  # evaluate after training (summary.json 'after')
 
 
 @dataclass
 class TrainerConfig:
     name: str = "local"  # local | verl
-    total_steps: int = 20
-    seed: int = 0
+    total_steps: int = 20  # RL steps
+    seed: int = 0  # seed of sampling, data order and initialisation
     device: str = "auto"  # auto | cpu | cuda
-    output_dir: str = "runs/tir_math"
-    save_every: int = 5
-    keep_checkpoints: int = 2
-    resume: bool = False
+    output_dir: str = "runs/tir_math"  # run folder: summary.json, metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/
+    save_every: int = 5  # checkpoint every N steps and at the end (0 = never)
+    keep_checkpoints: int = 2  # checkpoints kept (older ones are pruned)
+    resume: bool = False  # continue from the run folder's last checkpoint (--resume)
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + wandb
-    project_name: str = "otb-tir"
-    experiment_name: str = "tir_math"
+    project_name: str = "otb-tir"  # wandb / verl project name
+    experiment_name: str = "tir_math"  # wandb / verl experiment name
     n_gpus_per_node: int = 1  # verl path
     nnodes: int = 1  # verl path
     # under `torchrun --nproc_per_node N` (FSDP2, see otb_tir/trainer/distributed.py):
