@@ -1,72 +1,94 @@
-"""The README's "Adding a tool" section does what it says: run its code block verbatim, then use
-the tool it defines. The block is read from README.md, so documentation and test cannot drift apart."""
+"""The README's "Adding a tool" section does what it says: its Python block, saved as the user's
+``my_tools.py``, its YAML block and its ``pyproject.toml`` entry point build a working tool through
+the same assembly training and eval use; its commands use keys the configs have. The blocks are
+read from README.md, so documentation and test cannot drift apart. (The routes run end to end,
+training and eval as subprocesses, in tests/recipes/test_user_tools.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import shlex
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from tools import ErrorKind, get_tool, list_tools, load_tools
-from tools.registry import unregister_tool
+from tools import build_tool_set
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = re.compile(r"^#+\s*Adding a tool\s*$", re.MULTILINE)
 
 
-def adding_a_tool_section() -> tuple[Path, str]:
-    for path in (ROOT / "README.md",):
-        if path.exists():
-            text = path.read_text()
-            match = HEADING.search(text)
-            if match:
-                rest = text[match.end():]
-                level = len(text[match.start():match.end()].split()[0])
-                following = re.search(rf"^#{{1,{level}}}\s", rest, re.MULTILINE)
-                return path, rest[: following.start()] if following else rest
-    pytest.fail("no 'Adding a tool' section in README.md")
+def adding_a_tool_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = HEADING.search(text)
+    if not match:
+        pytest.fail("no 'Adding a tool' section in README.md")
+    rest = text[match.end():]
+    following = re.search(r"^##?\s", rest, re.MULTILINE)
+    return rest[: following.start()] if following else rest
 
 
-def test_section_is_short_and_has_one_python_block():
-    path, section = adding_a_tool_section()
-    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    assert len(blocks) == 1, path
+def blocks(kind: str) -> list[str]:
+    return re.findall(rf"```{kind}\n(.*?)```", adding_a_tool_section(), re.DOTALL)
+
+
+def test_section_is_short_with_one_example_per_route():
+    section = adding_a_tool_section()
+    assert len(blocks("python")) == 1 and len(blocks("yaml")) == 1 and len(blocks("toml")) == 1
+    assert len(blocks("bash")) == 2
     lines = [line for line in section.strip().splitlines() if line.strip() and not line.startswith("```")]
-    assert len(lines) <= 15, f"{path}: the section has {len(lines)} lines of code+text"
+    assert len(lines) <= 40, f"the section has {len(lines)} lines of code+text"
 
 
-def test_readme_snippet_runs_and_makes_a_working_tool(tmp_path):
-    path, section = adding_a_tool_section()
-    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
-    assert "word_count" not in list_tools()
-    namespace: dict = {"__name__": "readme_snippet"}
-    exec(compile(code, str(path), "exec"), namespace)  # the documented code, verbatim
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_tools.py").write_text(blocks("python")[0])
+    (tmp_path / "my_tools.yaml").write_text(blocks("yaml")[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("my_tools", None)
+
+
+def test_yaml_route_builds_the_documented_tool(user_module):
+    ts = build_tool_set(["calculator"], None, "my_tools.yaml")
     try:
-        assert "word_count" in list_tools()
-        tool = get_tool("word_count")
-        function = tool.schema()["function"]
-        assert function["description"] == "Count the words in a text."
-        assert function["parameters"]["required"] == ["text"]
-        assert function["parameters"]["properties"]["text"] == {"type": "string", "description": "The text to count."}
-        assert function["parameters"]["properties"]["unique"] == {
-            "type": "boolean", "description": "Count each distinct word once.", "default": False}
-
-        async def calls():
-            return (await tool.invoke({"text": "to be or not to be"}),
-                    await tool.invoke({"text": "to be or not to be", "unique": True}),
-                    await tool.invoke({"txt": "oops"}))
-
-        plain, unique, bad = asyncio.run(calls())
-        assert (plain.ok, plain.text) == (True, "6")
-        assert (unique.ok, unique.text) == (True, "4")
-        assert bad.error == ErrorKind.BAD_ARGUMENTS and "missing required argument 'text'" in bad.text
-
-        # "YAML tool configs can name it"
-        config = tmp_path / "tools.yaml"
-        config.write_text("tools:\n  - name: word_count\n")
-        (from_yaml,) = load_tools(config)
-        assert asyncio.run(from_yaml.invoke({"text": "a b c"})).text == "3"
+        assert sorted(ts) == ["calculator", "word_count"]
+        assert {r["name"]: r["cls"] for r in ts.describe()}["word_count"] == "my_tools.WordCount"
+        res = asyncio.run(ts["word_count"].invoke({"text": "to be or not to be"}))
+        assert (res.ok, res.text) == (True, "6")
+        bad = asyncio.run(ts["word_count"].invoke({"txt": "oops"}))
+        assert bad.error == "bad_arguments" and "missing required argument 'text'" in bad.text
     finally:
-        unregister_tool("word_count")
+        asyncio.run(ts.close())
+
+
+def test_entry_point_route_names_the_documented_class(user_module):
+    import importlib
+
+    table = tomllib.loads(blocks("toml")[0])["project"]["entry-points"]["otb_tir.tools"]
+    (name, target), = table.items()
+    module, attr = target.split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    assert cls.name == name == "word_count"
+
+
+def test_documented_commands_use_real_keys():
+    from otb_tir.evaluation import load_eval_config
+    from otb_tir.trainer.config import load_config
+
+    for block in blocks("bash"):
+        for line in block.strip().splitlines():
+            words = shlex.split(line.split("#", 1)[0])
+            words = [w for w in words if not w.startswith("PYTHONPATH=")]
+            prog, args = words[0], words[1:]
+            overrides = [a for a in args if "=" in a and not a.startswith("-")]
+            overrides = [o for o in overrides if not o.startswith("multi_turn.tool_config_path=")]  # file checked at run
+            if prog == "otb-tir-train":
+                load_config(None, overrides)
+            else:
+                assert prog == "otb-tir-eval"
+                load_eval_config(overrides=overrides)
