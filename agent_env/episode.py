@@ -146,6 +146,7 @@ class ToolCallRecord:
     executed: bool = False
     truncated: bool = False
     result_tokens: int = 0  # tokens of the tool's text before truncation
+    infra_retries: int = 0  # times the tool re-ran the call after an infrastructure failure (a killed worker)
 
 
 @dataclass
@@ -392,6 +393,7 @@ class AgentEnv:
             rec.executed = True
             rec.ok, rec.error = bool(res.ok), res.error
             rec.latency_ms = float(res.metrics.get("latency_ms", 0.0))
+            rec.infra_retries = int(res.metrics.get("infra_retries", 0))
             text = res.text if isinstance(res.text, str) else str(res.text)
         rec.text, rec.truncated, rec.result_tokens = self.truncate_tool_text(text)
         return rec

@@ -17,6 +17,8 @@ Figures (:func:`tool_metrics`):
 - ``tools/executed_success_rate`` = ok / calls that reached a tool;
 - ``tools/call_rate`` (share of episodes with at least one call), ``tools/calls_per_episode``,
   ``tools/errors_per_episode`` (executed calls that failed), ``tools/malformed_per_episode``;
+- ``tools/infra_retries``: calls the tool ran again after an infrastructure failure (a sandbox
+  worker killed from outside); a stateful session that lost its process is ``errors/session_lost``;
 - ``errors/<kind>``: calls per kind (:func:`classify_call`; ``output_cut`` counts ok calls whose
   output was cut, every other kind is a failure), the kinds of :data:`SHOWN_ERROR_KINDS` always
   present, and ``errors/<kind>_per_call`` over all calls; ``errors/total`` = failed calls.
@@ -133,6 +135,8 @@ def tool_metrics(trajs: Sequence[Any]) -> dict[str, float]:
         "tools/errors_per_episode": sum(t.tool_errors for t in trajs) / n,
         "tools/malformed_per_episode": sum(t.malformed_calls for t in trajs) / n,
         "errors/total": float(failed),
+        # infrastructure events the model did not see: calls re-run after their worker was killed
+        "tools/infra_retries": float(sum(getattr(c, "infra_retries", 0) for t in trajs for c in _calls(t))),
     }
     for kind in ERROR_KINDS:
         if kind == "not_executed":

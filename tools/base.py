@@ -38,10 +38,11 @@ class ErrorKind:
     UNKNOWN_TOOL = "unknown_tool"
     BAD_ARGUMENTS = "bad_arguments"
     SANDBOX = "sandbox_error"
+    SESSION_LOST = "session_lost"  # a stateful session's process died from an outside cause
     BLOCKED = "blocked"
 
     ALL = (SYNTAX, RUNTIME, TIMEOUT, MEMORY, OUTPUT_CUT, MALFORMED_CALL, UNKNOWN_TOOL,
-           BAD_ARGUMENTS, SANDBOX, BLOCKED)
+           BAD_ARGUMENTS, SANDBOX, SESSION_LOST, BLOCKED)
 
 
 @dataclass

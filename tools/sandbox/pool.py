@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tools.sandbox.backends import Backend, FallbackBackend
+from tools.sandbox.backends import Backend, UnisolatedBackend
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,22 @@ START_TIMEOUT_S = 60.0
 
 
 class WorkerDied(Exception):
-    """The worker process died or stopped answering (the pool respawns it)."""
+    """The worker process died or stopped answering (the pool respawns it). ``hung``: it stopped
+    answering (no reply within the snippet timeout + grace) rather than exiting."""
+
+    def __init__(self, msg: str, *, hung: bool = False) -> None:
+        super().__init__(msg)
+        self.hung = hung
+
+
+def _pid_running(pid: int) -> bool:
+    """The process exists and is not a zombie (its exit may not have been reaped by asyncio yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
 
 
 @dataclass
@@ -60,7 +75,9 @@ class WorkerProcess:
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        """Running, as far as this process can tell: a worker SIGKILLed from outside counts as
+        dead at once, before asyncio reaps it."""
+        return self.proc is not None and self.proc.returncode is None and _pid_running(self.proc.pid)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -111,8 +128,10 @@ class WorkerProcess:
                 reply = await self._read_frame()
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
                 BrokenPipeError) as e:
+            hung = isinstance(e, asyncio.TimeoutError) and self.alive
             await self.kill()
-            raise WorkerDied(f"{self.name} died or hung during a call ({type(e).__name__})") from e
+            raise WorkerDied(f"{self.name} {'hung' if hung else 'died'} during a call ({type(e).__name__})",
+                             hung=hung) from e
         except asyncio.CancelledError:
             # the caller gave up mid-call: the worker's state is unknown, so replace it
             await self.kill()
@@ -203,7 +222,7 @@ class WorkerProcess:
         self._cleanup_scratch()
 
     def _cleanup_scratch(self) -> None:
-        if isinstance(self.backend, FallbackBackend):
+        if isinstance(self.backend, UnisolatedBackend):
             scratch = self.cfg.get("scratch")
             if scratch and os.path.isdir(scratch):
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -294,9 +313,19 @@ class WorkerPool:
                      self.backend.name, time.perf_counter() - t0, self.backend.level)
 
     async def acquire(self) -> WorkerProcess:
+        """An idle, running worker. One that died while idle (OOM killer, an operator's kill) is
+        replaced before it is handed out; WorkerDied only if no replacement can start."""
         await self.start()
         assert self._idle is not None
-        return await self._idle.get()
+        w = await self._idle.get()
+        if w.alive:
+            return w
+        log.warning("python sandbox: %s died while idle; replacing it", w.name)
+        new = await self._respawn(w)
+        if new is None:
+            self._idle.put_nowait(w)  # the next caller tries again
+            raise WorkerDied(f"{w.name} died and no replacement could be started")
+        return new
 
     def release(self, w: WorkerProcess) -> None:
         """Give a worker back; a dead (or due for recycling) one is replaced in the background."""
@@ -321,30 +350,29 @@ class WorkerPool:
         assert self._idle is not None
         self._idle.put_nowait(w)
 
-    async def _replace(self, old: WorkerProcess) -> None:
+    async def _respawn(self, old: WorkerProcess) -> WorkerProcess | None:
+        """Stop ``old`` and start its replacement (3 attempts); the new worker, not queued."""
         await old.close(grace=1.0)
         delay = 0.1
-        new = None
         for attempt in range(3):
             cand = self._new_worker()
             try:
                 await cand.start()
-                new = cand
-                break
             except WorkerDied as e:
                 log.error("python sandbox: respawn failed (%s); attempt %d/3", e, attempt + 1)
                 await asyncio.sleep(delay)
                 delay *= 4
-        if new is None:
-            # give the dead worker back: the next call fails fast with an error result (never
-            # hangs) and triggers another respawn attempt
-            assert self._idle is not None
-            self._idle.put_nowait(old)
-            return
-        self.respawned += 1
-        self.workers = [new if w is old else w for w in self.workers]
+                continue
+            self.respawned += 1
+            self.workers = [cand if w is old else w for w in self.workers]
+            return cand
+        return None
+
+    async def _replace(self, old: WorkerProcess) -> None:
+        new = await self._respawn(old)
         assert self._idle is not None
-        self._idle.put_nowait(new)
+        # no replacement: give the dead worker back; the next acquire tries again (never hangs)
+        self._idle.put_nowait(new if new is not None else old)
 
     async def close(self) -> None:
         for t in list(self._respawns):

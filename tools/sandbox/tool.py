@@ -47,6 +47,8 @@ class SandboxStats:
     cache_hits: int = 0
     cache_lookups: int = 0
     respawns: int = 0
+    retried: int = 0  # stateless snippets re-run on a fresh worker after an outside worker death
+    sessions_lost: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
@@ -57,7 +59,8 @@ class PythonTool(Tool):
     """Run Python code in a sandbox and return what it prints.
 
     Config (keywords): ``timeout`` (s per snippet, wall clock), ``workers`` (pool size),
-    ``backend`` ("auto" | "bwrap" | "fallback" | "docker", or a Backend instance),
+    ``backend`` ("auto" = bubblewrap, the system's or the bundled one, else a ToolError saying
+    why | "bwrap" | "docker" | "unisolated": no isolation, an explicit opt-in; or a Backend instance),
     ``stateful`` (keep globals across the calls of one ``session_id``), ``memory_mb`` (address
     space budget of a snippet on top of the preloaded interpreter), ``max_output_chars``,
     ``cache`` / ``cache_size`` (identical stateless snippets), ``fsize_mb`` (largest file a snippet
@@ -236,18 +239,31 @@ class PythonTool(Tool):
         return r
 
     async def _call_pool(self, code: str) -> ToolResult:
-        try:
-            w = await self.pool.acquire()
-        except WorkerDied as e:
-            return _sandbox_error(str(e))
-        try:
-            reply = await w.run(code, self.timeout, self.max_output_chars)
-        except WorkerDied as e:
-            self.stats.respawns += 1
-            return _sandbox_error(str(e))
-        finally:
-            self.pool.release(w)
-        return self._to_result(reply)
+        """Run on an idle worker. If that worker dies during the call from an outside cause (the
+        snippet's own crash, timeout or limit is answered by the worker and never lands here),
+        the snippet is run once more on a fresh worker, so the model never reads an
+        infrastructure failure it did not cause."""
+        for attempt in (1, 2):
+            try:
+                w = await self.pool.acquire()
+            except WorkerDied as e:
+                return _sandbox_error(str(e))
+            try:
+                reply = await w.run(code, self.timeout, self.max_output_chars)
+            except WorkerDied as e:
+                self.stats.respawns += 1
+                if attempt == 1 and not e.hung:
+                    log.warning("python sandbox: %s; running the snippet again on a fresh worker", e)
+                    self.stats.retried += 1
+                    continue
+                return _sandbox_error(str(e))
+            finally:
+                self.pool.release(w)
+            result = self._to_result(reply)
+            if attempt == 2:
+                result.metrics["infra_retries"] = 1.0
+            return result
+        raise AssertionError("unreachable")
 
     async def _call_session(self, session_id: str, code: str) -> ToolResult:
         lock = self._session_locks.setdefault(session_id, asyncio.Lock())
@@ -258,6 +274,11 @@ class PythonTool(Tool):
                 w.kill_sync()  # started under another event loop: unusable here
                 del self._sessions[session_id]
                 w, restarted = None, True
+            if w is not None and not w.alive and not w.needs_recycle:
+                # killed from outside while idle (OOM killer, operator): its state is gone
+                await w.close(grace=0.5)
+                del self._sessions[session_id]
+                return self._session_lost(f"{w.name} was killed while idle")
             if w is None or not w.alive or w.needs_recycle:
                 if w is not None:
                     restarted = True
@@ -277,10 +298,21 @@ class PythonTool(Tool):
                 reply = await w.run(code, self.timeout, self.max_output_chars)
             except WorkerDied as e:
                 self.stats.respawns += 1
-                return _sandbox_error(str(e) + "; the session's Python state was lost")
+                self._sessions.pop(session_id, None)
+                if e.hung:
+                    return _sandbox_error(str(e) + "; the session's Python state was lost")
+                return self._session_lost(str(e))
             if restarted:
                 reply.state_reset = True
             return self._to_result(reply)
+
+    def _session_lost(self, why: str) -> ToolResult:
+        self.stats.sessions_lost += 1
+        log.warning("python sandbox: session lost (%s)", why)
+        return ToolResult(text="Error: the Python session was lost: its sandbox process was stopped from outside "
+                               "(not by your code). Variables from earlier calls are gone; the next call starts a "
+                               "fresh session.", ok=False, error=ErrorKind.SESSION_LOST,
+                          metrics={"cache_hit": 0.0})
 
     def _to_result(self, reply: RunReply) -> ToolResult:
         text = reply.output

@@ -1,0 +1,162 @@
+"""Infrastructure failures never reach the model: sandbox workers SIGKILLed from outside (what
+the OOM killer or an operator does), while idle and in the middle of a call, with real processes.
+
+- a dead idle worker is replaced before it is handed out: every following call succeeds;
+- a stateless snippet whose worker dies mid-call is run once more on a fresh worker (and the
+  result says so in ``metrics["infra_retries"]``);
+- a stateful session whose worker died answers ``session_lost`` (not a sandbox traceback), and
+  the next call of that session starts fresh;
+- the snippet's *own* crash, timeout or memory limit is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.tools.test_sandbox import HAVE_BWRAP, LIGHT, call
+from tools.base import ErrorKind
+from tools.sandbox import PythonTool
+from tools.sandbox.pool import _pid_running
+
+BACKEND = "bwrap" if HAVE_BWRAP else "unisolated"
+
+
+@pytest.fixture
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+def _kill(worker, wait: bool = False) -> None:
+    try:
+        os.kill(worker.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already dead (a replacement may still be starting)
+        return
+    for _ in range(200 if wait else 0):  # SIGKILL is asynchronous: until the process is gone
+        if not _pid_running(worker.proc.pid):
+            return
+        time.sleep(0.01)
+
+
+def test_workers_killed_while_idle_are_replaced_before_use(loop):
+    t = PythonTool(backend=BACKEND, workers=2, preload=LIGHT, cache=False, timeout=5.0)
+    try:
+        assert call(loop, t, "print(1)").ok
+        for w in list(t.pool.workers):
+            _kill(w, wait=True)
+        results = [call(loop, t, f"print({i} * 2)") for i in range(8)]
+        assert [r.text for r in results] == [f"{i * 2}\n" for i in range(8)]
+        assert all(r.ok and r.error is None for r in results)
+        # replaced before being handed out: no call even needed the mid-call retry
+        assert all("infra_retries" not in r.metrics for r in results) and t.pool.respawned >= 1
+        # concurrently too: kill both again, then 8 callers at once
+        for w in list(t.pool.workers):
+            _kill(w)
+
+        async def many():
+            return await asyncio.gather(*(t.call({"code": f"print({i})"}) for i in range(8)))
+
+        assert [r.text for r in loop.run_until_complete(many())] == [f"{i}\n" for i in range(8)]
+    finally:
+        loop.run_until_complete(t.close())
+
+
+def test_a_worker_killed_mid_call_reruns_the_snippet_on_a_fresh_worker(loop):
+    t = PythonTool(backend=BACKEND, workers=2, preload=LIGHT, cache=False, timeout=10.0)
+    try:
+        assert call(loop, t, "print(0)").ok
+
+        async def killed_mid_call():
+            task = asyncio.ensure_future(t.call({"code": "import time\ntime.sleep(1.0)\nprint('done')"}))
+            await asyncio.sleep(0.4)  # the snippet is running on one of the workers
+            busy = [w for w in t.pool.workers if w not in list(t.pool._idle._queue)]
+            assert len(busy) == 1  # the worker running the snippet is the one not in the idle queue
+            _kill(busy[0])
+            return await task
+
+        r = loop.run_until_complete(killed_mid_call())
+        assert r.ok and r.text == "done\n" and r.metrics["infra_retries"] == 1.0
+        assert t.stats.retried == 1
+        assert all(call(loop, t, f"print({i})").ok for i in range(4))
+    finally:
+        loop.run_until_complete(t.close())
+
+
+def test_the_snippets_own_failures_are_not_retried(loop):
+    t = PythonTool(backend=BACKEND, workers=1, preload=LIGHT, cache=False, timeout=1.0, memory_mb=256)
+    try:
+        crash = call(loop, t, "import os\nos.kill(os.getpid(), 9)")
+        hang = call(loop, t, "while True: pass")
+        mem = call(loop, t, "bytearray(4 << 30)")
+        assert not crash.ok and hang.error == ErrorKind.TIMEOUT and mem.error == ErrorKind.MEMORY
+        assert t.stats.retried == 0 and all("infra_retries" not in r.metrics for r in (crash, hang, mem))
+        assert call(loop, t, "print('still fine')").text == "still fine\n"
+    finally:
+        loop.run_until_complete(t.close())
+
+
+def test_a_stateful_session_whose_worker_died_says_session_lost(loop):
+    t = PythonTool(backend=BACKEND, workers=1, preload=LIGHT, stateful=True, timeout=10.0)
+    try:
+        assert call(loop, t, "x = 41", session_id="s").ok
+        _kill(t._sessions["s"])  # killed while idle
+        lost = call(loop, t, "print(x + 1)", session_id="s")
+        assert lost.error == ErrorKind.SESSION_LOST and not lost.ok
+        assert "session was lost" in lost.text and "SandboxError" not in lost.text and "Traceback" not in lost.text
+        assert call(loop, t, "x = 1\nprint(x)", session_id="s").text == "1\n"  # a fresh session
+
+        async def killed_mid_call():
+            task = asyncio.ensure_future(t.call({"code": "import time\ntime.sleep(1.0)"}, session_id="s"))
+            await asyncio.sleep(0.4)
+            _kill(t._sessions["s"])
+            return await task
+
+        lost = loop.run_until_complete(killed_mid_call())
+        assert lost.error == ErrorKind.SESSION_LOST and t.stats.sessions_lost == 2
+        assert call(loop, t, "print('fresh')", session_id="s").text == "fresh\n"
+        assert call(loop, t, "print('other')", session_id="other").ok  # other sessions are unaffected
+    finally:
+        loop.run_until_complete(t.close())
+
+
+def test_episode_metrics_count_the_retries(loop, tiny_tokenizer):
+    """A retried call is ok for the model and counted in tools/infra_retries."""
+    from agent_env import AgentEnv, EpisodeConfig
+    from agent_env.engines.base import GenerationOutput
+    from agent_env.tool_metrics import tool_metrics
+
+    t = PythonTool(backend=BACKEND, workers=1, preload=LIGHT, cache=False, timeout=10.0)
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    replies = iter(['<tool_call>\n{"name": "python", "arguments": {"code": "import time\\ntime.sleep(1)\\nprint(7)"}}'
+                    '\n</tool_call>', "The answer is \\boxed{7}."])
+
+    class Scripted:
+        async def generate(self, prompt_ids, params):
+            ids = tiny_tokenizer.encode(next(replies), add_special_tokens=False) + [im_end]
+            return GenerationOutput(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
+
+    env = AgentEnv(tiny_tokenizer, tools={"python": t}, config=EpisodeConfig(max_tokens_per_turn=200))
+
+    async def episode():
+        task = asyncio.ensure_future(env.run(Scripted(), "What is 3 + 4?", ground_truth="7"))
+        await asyncio.sleep(0.5)
+        for w in t.pool.workers:
+            if w not in list(t.pool._idle._queue):
+                _kill(w)
+        return await task
+
+    try:
+        loop.run_until_complete(t.start())
+        traj = loop.run_until_complete(episode())
+        (rec,) = traj.turns[0].tool_calls
+        assert rec.ok and rec.text.strip() == "7" and rec.infra_retries == 1
+        m = tool_metrics([traj])
+        assert m["tools/infra_retries"] == 1 and m["tools/success_rate"] == 1.0 and traj.reward == 1.0
+    finally:
+        loop.run_until_complete(t.close())
