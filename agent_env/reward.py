@@ -8,16 +8,25 @@ Answer extraction, in order of precedence (the *last* occurrence wins within a k
 ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces handled), then phrasings such as
 "The final answer is …", "Final answer: …", "The answer is …", "Answer: …".
 
-Comparison: math-verify (sympy based: ``1/2`` = ``0.5`` = ``\\frac{1}{2}``, ``3`` = ``3.0``,
-``x=3`` = ``3``, …). When math-verify cannot parse one side, plain numbers and fractions are
-compared exactly with :class:`fractions.Fraction`, and otherwise normalized strings are compared.
+Comparison, bounded on every thread (a model's output reaches it unfiltered):
+
+1. plain numbers and fractions on both sides (``3``, ``-2.5``, ``1,000``, ``7/8``,
+   ``\\frac{3}{4}``) are compared exactly with :class:`fractions.Fraction` (microseconds);
+2. an answer that is not plausible math — longer than :data:`MAX_ANSWER_CHARS`, characters no
+   math answer uses (``#``, ``@``, ``?``, ``"``, control characters …), brackets nested deeper
+   than :data:`MAX_NESTING`, a power tower (an exponent inside an exponent), an exponent or a
+   factorial of 5 or more digits — never reaches sympy: it is compared as a normalized string
+   (so ``e^{x^2}`` still equals ``e^{x^2}``, and garbage never equals a short gold answer);
+3. otherwise math-verify (sympy: ``1/2`` = ``0.5``, ``x=3`` = ``3``, ``(x+1)^2`` = ``x^2+2x+1``
+   …) runs in a killable helper process (:mod:`agent_env.verify`): past ``timeout_seconds`` + 0.5 s
+   the comparison is abandoned (not equal, ``comparison = "timeout"``) on the main thread, a worker
+   thread or a Ray actor alike. When math-verify cannot parse one side, normalized strings are compared.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -53,6 +62,25 @@ class RewardResult:
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
+def _brace_matches(text: str) -> dict[int, int]:
+    """Position of each ``{`` → position of its matching ``}`` (escaped ``\\{`` / ``\\}`` skipped),
+    in one linear pass: extraction stays linear on adversarial text (thousands of open boxes)."""
+    match: dict[int, int] = {}
+    stack: list[int] = []
+    k, n = 0, len(text)
+    while k < n:
+        ch = text[k]
+        if ch == "\\" and k + 1 < n:
+            k += 2
+            continue
+        if ch == "{":
+            stack.append(k)
+        elif ch == "}" and stack:
+            match[stack.pop()] = k
+        k += 1
+    return match
+
+
 def extract_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) in ``text``.
 
@@ -60,6 +88,7 @@ def extract_boxed(text: str) -> str | None:
     (``\\boxed{12`` at the end of a truncated response) gives ``None``.
     """
     best: tuple[int, str] | None = None
+    matches: dict[int, int] | None = None
     for cmd in _BOX_COMMANDS:
         start = 0
         while True:
@@ -75,23 +104,13 @@ def extract_boxed(text: str) -> str | None:
                 j += 1
             content: str | None = None
             if j < len(text) and text[j] == "{":
-                depth = 0
-                k = j
-                while k < len(text):
-                    ch = text[k]
-                    if ch == "\\" and k + 1 < len(text):  # skip escaped braces \{ \}
-                        k += 2
-                        continue
-                    if ch == "{":
-                        depth += 1
-                    elif ch == "}":
-                        depth -= 1
-                        if depth == 0:
-                            content = text[j + 1:k]
-                            break
-                    k += 1
+                if matches is None:
+                    matches = _brace_matches(text)
+                end = matches.get(j)
+                if end is not None:
+                    content = text[j + 1:end]
             elif j > start and j < len(text):  # "\boxed 5": one token after a space
-                m = re.match(r"[^\s$]+", text[j:])
+                m = re.match(r"[^\s$]+", text[j:j + MAX_ANSWER_CHARS + 1])
                 if m:
                     content = m.group(0)
             if content is not None and (best is None or i >= best[0]):
@@ -157,27 +176,74 @@ def _normalize_str(s: str) -> str:
     return re.sub(r"\s+", "", s).strip("$.").lower()
 
 
+MAX_ANSWER_CHARS = 300
+MAX_NESTING = 12
+_NON_MATH = re.compile(r'[#@?"`\x00-\x08\x0b-\x1f\x7f]')
+_BIG_EXPONENT = re.compile(r"\^\s*\{?\s*[-+]?\d{5,}|\d{5,}\s*!")
+
+
+def implausible_answer(s: str) -> str | None:
+    """Why ``s`` is not sent to sympy (see the module docstring), or None. Linear in ``len(s)``."""
+    if len(s) > MAX_ANSWER_CHARS:
+        return f"longer than {MAX_ANSWER_CHARS} characters"
+    m = _NON_MATH.search(s)
+    if m:
+        return f"character {m.group(0)!r} is not math"
+    if _BIG_EXPONENT.search(s):
+        return "an exponent or factorial of 5+ digits"
+    depth = max_depth = 0
+    exp_levels: list[int] = []  # bracket depths at which an exponent's braces opened
+    tower = 0
+    i, n = 0, len(s)
+    while i < n:
+        ch = s[i]
+        if ch in "{([":
+            depth += 1
+            max_depth = max(max_depth, depth)
+        elif ch in "})]":
+            if exp_levels and exp_levels[-1] == depth:
+                exp_levels.pop()
+            depth -= 1
+        elif ch == "^":
+            j = i + 1
+            while j < n and s[j] == " ":
+                j += 1
+            if exp_levels:  # an exponent inside an exponent: a power tower
+                tower = max(tower, len(exp_levels) + 1)
+            if j < n and s[j] == "{":
+                exp_levels.append(depth + 1)
+            elif j + 1 < n and s[j + 1] == "^":  # x^2^3: also a tower
+                tower = max(tower, 2)
+        i += 1
+    if max_depth > MAX_NESTING:
+        return f"brackets nested {max_depth} deep (more than {MAX_NESTING})"
+    if tower >= 2:
+        return "a power tower (an exponent inside an exponent)"
+    return None
+
+
 def answers_match(pred: str, gold: str, *, timeout_seconds: int = 5) -> tuple[bool, str]:
-    """``(equal, method)``: compare a predicted answer with the gold answer.
+    """``(equal, method)``: compare a predicted answer with the gold answer (module docstring).
 
-    ``method`` is ``"math_verify"`` when both sides parsed with math-verify, ``"fraction"`` for
-    the exact plain-number fallback, ``"string"`` for the normalized-string fallback.
+    ``method``: ``"fraction"`` (both plain numbers), ``"math_verify"`` (both parsed by
+    math-verify), ``"string"`` (normalized strings: math-verify could not parse one side, or an
+    answer was not plausible math), ``"timeout"`` (math-verify did not finish in time: not equal).
+    Never takes longer than ``timeout_seconds`` + 0.5 s once the helper process runs.
     """
-    from math_verify import parse, verify  # imported lazily: ~0.3 s (sympy, latex2sympy)
+    from agent_env.verify import VerifyTimeout, verify_in_child
 
-    # math-verify's timeouts use signal.alarm(), which only works in the main thread.
-    main = threading.current_thread() is threading.main_thread()
-    ptimeout = timeout_seconds if main else None
-    try:
-        g = parse("\\boxed{" + gold + "}", parsing_timeout=ptimeout)
-        p = parse("\\boxed{" + pred + "}", parsing_timeout=ptimeout)
-        if g and p:
-            return bool(verify(g, p, timeout_seconds=ptimeout)), "math_verify"
-    except Exception as e:  # math-verify raises on pathological input; fall back below
-        logger.debug("math-verify failed on %r vs %r: %s", pred, gold, e)
     fp, fg = _plain_number(pred), _plain_number(gold)
     if fp is not None and fg is not None:
         return fp == fg, "fraction"
+    if implausible_answer(pred) or implausible_answer(gold):
+        return _normalize_str(pred) == _normalize_str(gold), "string"
+    try:
+        res = verify_in_child(pred, gold, float(timeout_seconds))
+    except VerifyTimeout:
+        logger.debug("math-verify timed out on %r vs %r", pred[:100], gold[:100])
+        return False, "timeout"
+    if res.get("parsed"):
+        return bool(res["equal"]), "math_verify"
     return _normalize_str(pred) == _normalize_str(gold), "string"
 
 
