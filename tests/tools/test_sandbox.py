@@ -66,11 +66,28 @@ def tool_processes(tool: PythonTool) -> set[int]:
     out = set()
     roots = [w.proc.pid for w in tool.pool.workers if w.proc is not None]
     roots += [w.proc.pid for w in tool._sessions.values() if w.proc is not None]
+    roots += container_pids(tool)
     for r in roots:
         if r in table:
             out.add(r)
         out |= descendants(r, table)
     return out
+
+
+def container_pids(tool: PythonTool) -> list[int]:
+    """Host pids of the init processes of the docker containers this process started."""
+    from tools.sandbox import DockerBackend
+
+    if not isinstance(tool.backend, DockerBackend):
+        return []
+    import subprocess
+
+    ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label=otb_tir.sandbox_owner={os.getpid()}"],
+                         capture_output=True, text=True).stdout.split()
+    if not ids:
+        return []
+    out = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", *ids], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split() if p.strip() not in ("", "0")]
 
 
 def tool_uids(tool: PythonTool) -> set[int]:

@@ -105,7 +105,7 @@ def test_a_stateful_session_whose_worker_died_says_session_lost(loop):
     t = PythonTool(backend=BACKEND, workers=1, preload=LIGHT, stateful=True, timeout=10.0)
     try:
         assert call(loop, t, "x = 41", session_id="s").ok
-        _kill(t._sessions["s"])  # killed while idle
+        _kill(t._sessions["s"], wait=True)  # killed while idle
         lost = call(loop, t, "print(x + 1)", session_id="s")
         assert lost.error == ErrorKind.SESSION_LOST and not lost.ok
         assert "session was lost" in lost.text and "SandboxError" not in lost.text and "Traceback" not in lost.text

@@ -22,6 +22,18 @@ from tools.sandbox import PythonTool
 
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason=f"bubblewrap unusable: {BWRAP_PROBLEMS}")
 
+
+def require_docker() -> None:
+    """Skip (saying exactly why) where no Docker daemon runs or the local image is missing; in CI
+    the install step starts dockerd and builds the image, so there it must work."""
+    from tests.tools.test_sandbox_docker import docker_problem
+
+    why = docker_problem()
+    if why is not None:
+        if os.environ.get("CI"):
+            raise RuntimeError(f"the docker backend cannot run in CI: {why}")
+        pytest.skip(why)
+
 REPO = Path(__file__).resolve().parents[2]
 SECRET_NAME = "OTB_SANDBOX_TEST_SECRET"
 SECRET = f"s3cret-{uuid.uuid4().hex}"
@@ -35,10 +47,13 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     lp.close()
 
 
-@pytest.fixture(scope="module")
-def tool(loop) -> Iterator[PythonTool]:
+@pytest.fixture(scope="module", params=["bwrap", "docker"])
+def tool(loop, request) -> Iterator[PythonTool]:
+    """Every probe runs against the default backend (bubblewrap) and the docker backend."""
+    if request.param == "docker":
+        require_docker()
     os.environ[SECRET_NAME] = SECRET  # the trainer's environment holds a secret
-    t = PythonTool(backend="bwrap", workers=WORKERS, timeout=3.0, max_output_chars=2000,
+    t = PythonTool(backend=request.param, workers=WORKERS, timeout=3.0, max_output_chars=2000,
                    cache=False)
     loop.run_until_complete(t.start())
     yield t
@@ -84,9 +99,17 @@ def test_cannot_read_shadow_root_or_trainer_files(loop, tool) -> None:
             % (targets + root_files, str(REPO)))
     r = call(loop, tool, code)
     assert r.ok, r.text
+    if tool.backend.name == "docker":
+        # the container has its own /etc/passwd and /etc/hostname (from the image): readable, and
+        # nothing of the host's
+        own = [ln for ln in r.text.splitlines() if ln.startswith("READ /etc/passwd") or ln.startswith("READ /etc/hostname")]
+        assert len(own) == 2 and Path("/etc/passwd").read_bytes()[:40].decode() not in r.text
+        assert open("/etc/hostname").read().strip() not in "".join(own)
+        targets = [t for t in targets if t not in ("/etc/passwd", "/etc/hostname")]
+        r.text = "\n".join(ln for ln in r.text.splitlines() if ln not in own)
     assert "READ" not in r.text and "LIST /root" not in r.text and f"LIST {REPO}" not in r.text
     assert r.text.count("denied") == len(targets) + len(root_files) + 3
-    assert 'name = "otb-tir"' not in r.text and "root:" not in r.text
+    assert 'name = "otb-tir"' not in r.text and "root:x:0:0:root" not in r.text
 
 
 def test_cannot_see_trainer_environment(loop, tool) -> None:

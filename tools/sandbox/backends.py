@@ -204,36 +204,42 @@ class BwrapBackend(Backend):
 class DockerBackend(Backend):
     """Long-lived containers running the same worker, requests over the attached stdin/stdout.
 
-    The container: no network, read-only root, memory/pids/cpu limits, all capabilities dropped,
-    no-new-privileges, a non-root user, a size-capped /tmp. The image must contain Python (and
-    numpy/sympy/pyseccomp to preload them; missing ones are skipped)."""
+    The container: no network, read-only root, memory/pids/cpu limits, no-new-privileges, a
+    size-capped /tmp, every capability dropped but the six the worker needs to drop each snippet to
+    its own unprivileged uid (as under bubblewrap): a snippet can then neither read the worker's
+    /proc entries nor touch its protocol pipes, and RLIMIT_NPROC caps it. The image
+    (``python -m tools.sandbox.docker_image`` builds it locally) holds Python and numpy / sympy /
+    pyseccomp; the worker is bind-mounted read-only."""
 
     name: str = "docker"
-    level: str = "docker container (--network none, read-only root, cap-drop ALL, non-root)"
-    image: str = "python:3.11-slim"
+    level: str = ("docker container (--network none, read-only root, capabilities dropped but the worker's six) "
+                  "+ rlimits + seccomp + uid drop")
+    image: str = "otb-tir/sandbox:py311"  # built locally: python -m tools.sandbox.docker_image
     docker: str = "docker"
     memory_mb: int = 2048
     pids_limit: int = 64
     cpus: float = 1.0
-    user: str = "65534:65534"
+    user: str = "0:0"  # the worker only (with _WORKER_CAPS); each snippet runs as an unprivileged uid
     tmp_size_mb: int = 64
     container_python: str = "python"
     extra_args: list[str] = field(default_factory=list)
 
     def worker_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = dict(cfg)
-        cfg["uid"] = None  # already non-root inside the container
+        cfg["uid"] = allocate_uid()  # the snippets' uid (RLIMIT_NPROC counts per uid, host-wide)
         cfg["scratch"] = SCRATCH
-        cfg["nproc"] = None  # per-uid across the host: the container's pids limit does this job
         return cfg
 
     def command(self, cfg: dict[str, Any]) -> list[str]:
         return [self.docker, "run", "-i", "--rm", "--init=false",
-                "--network", "none", "--read-only",
-                "--tmpfs", f"/tmp:rw,nosuid,nodev,size={int(self.tmp_size_mb)}m,mode=1777",
+                # so an operator (and the tests) can find the containers a trainer started
+                "--label", f"otb_tir.sandbox_owner={os.getpid()}",
+                "--network", "none", "--ipc", "none", "--read-only",  # --ipc none: no shared /dev/shm
+                "--tmpfs", f"/tmp:rw,nosuid,nodev,size={int(self.tmp_size_mb)}m,mode=0755",
                 "--memory", f"{int(self.memory_mb)}m", "--memory-swap", f"{int(self.memory_mb)}m",
                 "--pids-limit", str(int(self.pids_limit)), "--cpus", str(self.cpus),
-                "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                "--cap-drop", "ALL", *[a for cap in _WORKER_CAPS for a in ("--cap-add", cap)],
+                "--security-opt", "no-new-privileges",
                 "--user", self.user,
                 "-e", "OPENBLAS_NUM_THREADS=1", "-e", "OMP_NUM_THREADS=1",
                 "-e", f"HOME={SCRATCH}", "-w", "/tmp",

@@ -277,12 +277,14 @@ class WorkerPool:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.respawned = 0
         self._start_lock: asyncio.Lock | None = None
+        self.closed = False  # close() was called: no call may start workers again until start()
 
     def _new_worker(self) -> WorkerProcess:
         return WorkerProcess(self.backend, self.cfg, recycle_after=self.recycle_after,
                              debug=self.debug)
 
     async def start(self) -> None:
+        self.closed = False
         loop = asyncio.get_running_loop()
         if self.loop is loop and self._idle is not None:
             return
@@ -314,7 +316,10 @@ class WorkerPool:
 
     async def acquire(self) -> WorkerProcess:
         """An idle, running worker. One that died while idle (OOM killer, an operator's kill) is
-        replaced before it is handed out; WorkerDied only if no replacement can start."""
+        replaced before it is handed out; WorkerDied only if no replacement can start (or the
+        pool was closed)."""
+        if self.closed:
+            raise WorkerDied("the sandbox was closed")
         await self.start()
         assert self._idle is not None
         w = await self._idle.get()
@@ -322,6 +327,10 @@ class WorkerPool:
             return w
         log.warning("python sandbox: %s died while idle; replacing it", w.name)
         new = await self._respawn(w)
+        if self.closed or self._idle is None:  # closed while the replacement started
+            if new is not None:
+                await new.close(grace=0.5)
+            raise WorkerDied("the sandbox was closed")
         if new is None:
             self._idle.put_nowait(w)  # the next caller tries again
             raise WorkerDied(f"{w.name} died and no replacement could be started")
@@ -329,7 +338,8 @@ class WorkerPool:
 
     def release(self, w: WorkerProcess) -> None:
         """Give a worker back; a dead (or due for recycling) one is replaced in the background."""
-        assert self._idle is not None
+        if self.closed or self._idle is None:
+            return  # close() stops every worker it holds; nothing is queued or respawned any more
         loop = asyncio.get_running_loop()
         if w.alive and not w.needs_recycle:
             if not w._pending_idle:
@@ -369,12 +379,19 @@ class WorkerPool:
         return None
 
     async def _replace(self, old: WorkerProcess) -> None:
+        if self.closed:
+            await old.close(grace=0.5)
+            return
         new = await self._respawn(old)
-        assert self._idle is not None
+        if self._idle is None:  # closed meanwhile
+            if new is not None:
+                await new.close(grace=0.5)
+            return
         # no replacement: give the dead worker back; the next acquire tries again (never hangs)
         self._idle.put_nowait(new if new is not None else old)
 
     async def close(self) -> None:
+        self.closed = True
         for t in list(self._respawns):
             t.cancel()
         for t in list(self._respawns):

@@ -252,7 +252,7 @@ class PythonTool(Tool):
                 reply = await w.run(code, self.timeout, self.max_output_chars)
             except WorkerDied as e:
                 self.stats.respawns += 1
-                if attempt == 1 and not e.hung:
+                if attempt == 1 and not e.hung and not self.pool.closed:
                     log.warning("python sandbox: %s; running the snippet again on a fresh worker", e)
                     self.stats.retried += 1
                     continue
