@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="--compare: PNG to write (default: next to B, compare.png)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after --model alike
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from otb_tir import ConfigError

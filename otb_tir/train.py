@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after --model alike
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from omegaconf import OmegaConf

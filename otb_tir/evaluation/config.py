@@ -112,9 +112,6 @@ def _check(cfg: DictConfig) -> None:
         raise ConfigError("eval.without_tools=true needs multi_turn.format=hermes: the code_block format runs "
                           "every code block with the python tool, so it has no tools-disabled variant; "
                           "set eval.without_tools=false")
-    if cfg.multi_turn.tools is not None and not cfg.multi_turn.tools and not cfg.multi_turn.tool_config_path:
-        raise ConfigError("no tools: multi_turn.tools is empty and no multi_turn.tool_config_path is set; list tool "
-                          "names (e.g. multi_turn.tools=[python,calculator]) or give a verl-style tools YAML")
     if not cfg.output.name or "/" in cfg.output.name:
         raise ConfigError(f"'output.name' must be a plain file stem; got {cfg.output.name!r}")
 
