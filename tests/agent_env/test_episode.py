@@ -535,3 +535,78 @@ def test_config_from_omegaconf_section():
         EpisodeConfig.from_dict({"reward": {"bonus": 1}})
     with pytest.raises(EnvError, match="unknown tool-call parser"):
         EpisodeConfig.from_dict({"parser": "xml"})
+
+
+class SessionRecorder(Tool):
+    """A stateful tool that records its sessions: created on first call, released at the end."""
+
+    name = "note"
+    parameters = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+        self.state: dict[str, int] = {}
+
+    async def call(self, args, *, session_id=None):
+        self.state[session_id] = self.state.get(session_id, 0) + 1
+        self.events.append(("call", session_id))
+        return ToolResult(text=f"call {self.state[session_id]}")
+
+    async def release(self, session_id):
+        self.state.pop(session_id, None)
+        self.events.append(("release", session_id))
+
+
+@pytest.mark.parametrize("ending", ["answer", "max_turns", "length", "engine_error", "cancelled"])
+def test_a_stateful_session_is_released_however_the_trajectory_ends(tiny_tokenizer, ending):
+    """One session per trajectory, never shared, released on every way an episode can end:
+    an answer, the turn budget, the token budget, an engine failure, a cancelled rollout."""
+    tool = SessionRecorder()
+    gate = asyncio.Event()
+
+    def script(prompt_ids, i):
+        if i < 2:
+            return tc("note", x=str(i))
+        if ending == "engine_error":
+            raise RuntimeError("the engine died")
+        if ending == "length":
+            return list(range(500, 900))  # no stop token: runs past the response budget
+        return "\\boxed{2}"
+
+    class Engine(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            if ending == "cancelled" and len(self.calls) == 2:
+                await gate.wait()  # never set: the rollout is cancelled while waiting for the third turn
+            return await super().generate(prompt_ids, params)
+
+    engines = [Engine(tiny_tokenizer, script) for _ in range(2)]  # one per episode: its own turn count
+    turns = 2 if ending == "max_turns" else 4
+    env = AgentEnv(tiny_tokenizer, tools={"note": tool},
+                   config=EpisodeConfig(max_assistant_turns=turns, max_response_tokens=256, max_tokens_per_turn=256))
+
+    async def go():
+        tasks = [asyncio.ensure_future(env.run(eng, f"question {k}", ground_truth="2")) for k, eng in enumerate(engines)]
+        if ending == "cancelled":
+            for _ in range(200):
+                if sum(e[0] == "call" for e in tool.events) >= 4:
+                    break
+                await asyncio.sleep(0.01)
+            for t in tasks:
+                t.cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = run_sync(go())
+    sessions = {sid for _, sid in tool.events}
+    calls = [sid for kind, sid in tool.events if kind == "call"]
+    released = [sid for kind, sid in tool.events if kind == "release"]
+    assert sorted(released) == sorted(sessions) and len(released) == len(set(released))  # each once
+    assert tool.state == {}  # nothing left behind
+    if ending == "cancelled":
+        assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    elif ending == "engine_error":
+        assert all(isinstance(r, RuntimeError) for r in results)
+    else:
+        assert len(sessions) == 2  # one per trajectory
+        assert all(calls.count(s) == (1 if ending == "max_turns" else 2) for s in sessions)
+        expected = {"answer": "answer", "max_turns": "max_turns", "length": "length"}[ending]
+        assert [r.finish_reason for r in results] == [expected] * 2
