@@ -21,8 +21,6 @@ import json
 import logging
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -318,23 +316,12 @@ def tiny_policy_dir(
     final = root / f"tiny-qwen3-{digest}"
     if (final / _MARKER).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
     logger.info("building the tiny policy into %s", final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
+    from agent_env.cache import publishing
+
+    with publishing(final, _MARKER, key) as tmp:
         tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=tokenizer_seed)
         model = build_tiny_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed, **overrides)
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp)
-        (tmp / _MARKER).write_text(json.dumps(key, indent=1, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process won the race (or a stale, unmarked folder is in the way).
-            if not (final / _MARKER).is_file():
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -29,8 +29,6 @@ import logging
 import os
 import random
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -350,23 +348,13 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     losses += sft_train(model, examples, tokenizer.pad_token_id, settings.sft_config(progress=progress))
     t2 = time.perf_counter()
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
+    from agent_env.cache import publishing
+
+    record = {"key": key | {"base_config": None}, "losses": losses, "trace_seconds": t1 - t0,
+              "train_seconds": t2 - t1, "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
+    with publishing(final, _MARKER, record) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        record = {"key": key | {"base_config": None}, "losses": losses, "trace_seconds": t1 - t0,
-                  "train_seconds": t2 - t1, "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
-        (tmp / _MARKER).write_text(json.dumps(record, indent=1))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first (or a stale unmarked folder)
-            if not (final / _MARKER).is_file():
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     logger.info("warm start cached in %s (traces %.1f s, training %.1f s, final loss %.3f)",
                 final, t1 - t0, t2 - t1, sum(losses[-10:]) / len(losses[-10:]))
     return final

@@ -25,10 +25,7 @@ import copy
 import hashlib
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -249,23 +246,13 @@ def tool_caller_policy(cache_root: Path | None = None, *, settings: ToolCallerSe
                 f"{sum(losses[-10:]) / len(losses[-10:]):.4f}); retune ToolCallerSettings")
     t2 = time.perf_counter()
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
+    from agent_env.cache import publishing
+
+    record = {"key": key | {"base_config": None}, "losses": losses, "checks": checks,
+              "train_seconds": t1 - t0, "check_seconds": t2 - t1,
+              "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
+    with publishing(final, _MARKER, record) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        record = {"key": key | {"base_config": None}, "losses": losses, "checks": checks,
-                  "train_seconds": t1 - t0, "check_seconds": t2 - t1,
-                  "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
-        (tmp / _MARKER).write_text(json.dumps(record, indent=1))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first (or a stale unmarked folder is in the way)
-            if not (final / _MARKER).is_file():
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     logger.info("tool-caller policy cached in %s (training %.1f s, check %.1f s)", final, t1 - t0, t2 - t1)
     return final
