@@ -274,27 +274,29 @@ def load_tool_entries(path: str | os.PathLike[str]) -> list[tuple[Tool, str, dic
     if not isinstance(raw, dict) or not isinstance(raw.get("tools"), list):
         raise ToolError(f"{path}: expected a top-level 'tools:' list (verl tool-config shape)")
     built: list[tuple[Tool, str, dict[str, Any]]] = []
-    for i, entry in enumerate(raw["tools"]):
-        where = f"{path}: tools[{i}]"
-        if not isinstance(entry, dict):
-            raise ToolError(f"{where}: expected a mapping with class_name (or name), config, tool_schema")
-        unknown = sorted(set(entry) - {"class_name", "name", "config", "tool_schema"})
-        if unknown:
-            raise ToolError(f"{where}: unknown key(s) {unknown}; valid keys: class_name, name, config, tool_schema")
-        label = entry.get("class_name") or f"name: {entry.get('name')}"
-        try:
-            made = _tool_from_entry(entry, where)
-        except BaseException as exc:
-            _close_later([t for t, _, _ in built])
-            if isinstance(exc, Exception) and not isinstance(exc, ToolError):  # a plugin's own constructor
+    try:
+        for i, entry in enumerate(raw["tools"]):
+            where = f"{path}: tools[{i}]"
+            if not isinstance(entry, dict):
+                raise ToolError(f"{where}: expected a mapping with class_name (or name), config, tool_schema")
+            unknown = sorted(set(entry) - {"class_name", "name", "config", "tool_schema"})
+            if unknown:
+                raise ToolError(f"{where}: unknown key(s) {unknown}; valid keys: class_name, name, config, tool_schema")
+            label = entry.get("class_name") or f"name: {entry.get('name')}"
+            try:
+                made = _tool_from_entry(entry, where)
+            except ToolError:
+                raise
+            except Exception as exc:  # a plugin's own constructor or import
                 raise ToolError(f"{where} ({label}) failed to load: {type(exc).__name__}: {exc}") from exc
-            raise
-        built.append((made, f"{where} ({label})", dict(entry.get("config") or {})))
-    names = [t.name for t, _, _ in built]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        _close_later([t for t, _, _ in built])
-        raise ToolError(f"{path}: tool name(s) {duplicates} appear more than once; each tool needs a unique name")
+            built.append((made, f"{where} ({label})", dict(entry.get("config") or {})))
+        names = [t.name for t, _, _ in built]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ToolError(f"{path}: tool name(s) {duplicates} appear more than once; each tool needs a unique name")
+    except BaseException:
+        _close_later([t for t, _, _ in built])  # tools built before the failure must not leak workers
+        raise
     return built
 
 
