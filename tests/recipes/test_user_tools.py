@@ -257,9 +257,11 @@ def test_bad_tool_config_stops_at_start_with_the_reason(policy, user):
     assert not (user / "r" / "metrics.jsonl").exists()
 
 
-def test_stateful_plugin_under_verls_agent_loop_worker(policy, user, monkeypatch, tmp_path):
+@pytest.mark.parametrize("route", ["stateful_yaml", "entry_point"])
+def test_user_plugins_under_verls_agent_loop_worker(policy, user, monkeypatch, tmp_path, route):
     """verl's real AgentLoopWorker builds our agent loop from the composed config; the agent loop
-    assembles the same tool set (the user's stateful YAML tool) and runs the tool-caller policy."""
+    assembles the same tool set (the user's stateful YAML tool, or the installed entry-point tool)
+    and runs the tool-caller policy."""
     pytest.importorskip("verl")
     import asyncio
 
@@ -271,14 +273,18 @@ def test_stateful_plugin_under_verls_agent_loop_worker(policy, user, monkeypatch
     from otb_tir.verl.launch import compose_verl_config, validate_verl_config
     from tests.otb_tir.test_verl_agent_loop import HFServerManager, _gen_batch
 
-    log = user / "verl_sessions.jsonl"
-    tools_yaml = _yaml(user, log, stateful=True)
-    monkeypatch.syspath_prepend(str(user / "code"))
+    log = user / "verl_calls.jsonl"
+    if route == "stateful_yaml":
+        monkeypatch.syspath_prepend(str(user / "code"))
+        tool_args = [f"multi_turn.tool_config_path={_yaml(user, log, stateful=True)}"]
+    else:
+        monkeypatch.syspath_prepend(str(_install_entry_point_dist(user)))
+        tool_args = ["multi_turn.tools=[lookup]", f"multi_turn.tool_config.lookup.log_path={log}"]
     cfg = load_config(None, [
         f"model.path={policy}", "trainer=verl", "rollout.name=vllm", f"trainer.output_dir={tmp_path / 'verl'}",
         "data.train_size=6", "data.val_size=2", "rollout.n=2", "data.train_batch_size=2",
         "actor.ppo_mini_batch_size=2", "rollout.response_length=192", "rollout.max_tokens_per_turn=48",
-        "multi_turn.max_assistant_turns=3", "trainer.n_gpus_per_node=1", f"multi_turn.tool_config_path={tools_yaml}"])
+        "multi_turn.max_assistant_turns=3", "trainer.n_gpus_per_node=1", *tool_args])
     vcfg = compose_verl_config(cfg)
     validate_verl_config(vcfg)
 
@@ -298,7 +304,12 @@ def test_stateful_plugin_under_verls_agent_loop_worker(policy, user, monkeypatch
                 await manager.engine.close()
 
     out = asyncio.run(go())
-    _check_one_session_per_trajectory(_sessions(log), 4)
+    if route == "stateful_yaml":
+        _check_one_session_per_trajectory(_sessions(log), 4)
+    else:  # the installed plugin's own record: 2 executed calls in each of the 4 trajectories
+        by = _sessions(log)
+        assert len(by) == 4 and all([e["event"] for e in ev] == ["call", "call"] for ev in by.values())
+        assert {e["cls"] for ev in by.values() for e in ev} == {"Lookup"}
     info = out.non_tensor_batch
     ok, failed = np.asarray(info["tool_ok"], float), np.asarray(info["tool_failed"], float)
     assert ok.sum() == 8 and failed.sum() == 0 and np.asarray(info["tool_not_executed"], float).sum() == 4
