@@ -577,12 +577,8 @@ class AgentEnv:
 
     async def close(self) -> None:
         """Close the tools this environment created."""
-        if self._owns_tools:
-            for tool in self.tools.values():
-                try:
-                    await tool.close()
-                except Exception:  # noqa: BLE001
-                    logger.warning("closing tool %r failed", tool, exc_info=True)
+        if self._owns_tools:  # then self.tools is the tools.ToolSet build_tool_set made
+            await self.tools.close()
 
 
 def _plain(x: Any) -> Any:

@@ -34,7 +34,8 @@ import re
 from collections import Counter
 from typing import Any, Sequence
 
-__all__ = ["ERROR_KINDS", "SHOWN_ERROR_KINDS", "MALFORMED_KINDS", "classify_call", "call_counts", "tool_metrics"]
+__all__ = ["ERROR_KINDS", "SHOWN_ERROR_KINDS", "MALFORMED_KINDS", "calls_of", "classify_call", "call_counts",
+           "tool_metrics"]
 
 #: the kinds every report shows (zero when absent), in this order
 SHOWN_ERROR_KINDS = ("syntax_error", "runtime_error", "timeout", "memory", "output_cut", "malformed_call",
@@ -94,13 +95,14 @@ def classify_call(call: Any) -> str | None:
     return err if err in ERROR_KINDS else "other"
 
 
-def _calls(traj: Any) -> list[Any]:
+def calls_of(traj: Any) -> list[Any]:
+    """Every tool call of a trajectory, turn by turn."""
     return [c for tr in traj.turns for c in tr.tool_calls]
 
 
 def call_counts(traj: Any) -> dict[str, Any]:
     """``{"calls", "ok", "failed", "not_executed", "executed", "kinds": Counter}`` of one trajectory."""
-    calls = _calls(traj)
+    calls = calls_of(traj)
     kinds = Counter(classify_call(c) for c in calls)
     kinds.pop(None, 0)
     ok = sum(bool(c.ok) for c in calls)
@@ -136,7 +138,7 @@ def tool_metrics(trajs: Sequence[Any]) -> dict[str, float]:
         "tools/malformed_per_episode": sum(t.malformed_calls for t in trajs) / n,
         "errors/total": float(failed),
         # infrastructure events the model did not see: calls re-run after their worker was killed
-        "tools/infra_retries": float(sum(getattr(c, "infra_retries", 0) for t in trajs for c in _calls(t))),
+        "tools/infra_retries": float(sum(getattr(c, "infra_retries", 0) for t in trajs for c in calls_of(t))),
     }
     for kind in ERROR_KINDS:
         if kind == "not_executed":

@@ -17,8 +17,6 @@ def build_tools(cfg: Any) -> Any:
     not load, a bad config key or schema is a :class:`ConfigError` naming the tool and the reason."""
     from pathlib import Path
 
-    from omegaconf import OmegaConf
-
     from tools import ToolError, build_tool_set
 
     mt = cfg.multi_turn
@@ -27,10 +25,7 @@ def build_tools(cfg: Any) -> Any:
         path = str(Path(path).expanduser())
         if not Path(path).is_file():
             raise ConfigError(f"multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
-    names = None if mt.tools is None else list(mt.tools)
-    conf = OmegaConf.to_container(mt.tool_config, resolve=True) if OmegaConf.is_config(mt.tool_config) \
-        else dict(mt.tool_config or {})
     try:
-        return build_tool_set(names, conf, path)
+        return build_tool_set(mt.tools, mt.tool_config, path)  # it takes OmegaConf containers as they are
     except ToolError as e:
         raise ConfigError(f"tools: {e}") from None

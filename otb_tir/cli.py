@@ -1,9 +1,13 @@
-"""What ``otb-tir-train`` and ``otb-tir-eval`` share: the ``--help`` listing of config sections."""
+"""What ``otb-tir-train`` and ``otb-tir-eval`` share: the argument parser (shipped config, model,
+``--print-config``, dotted overrides before and after the options) and the ``--help`` listing of
+config sections."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 from dataclasses import fields, is_dataclass
-from typing import Any
+from typing import Any, Sequence
 
 REFERENCE = "docs/configuration.md; --print-config prints every key with the value this run would use"
 
@@ -22,3 +26,22 @@ def sections_help(schema: type) -> str:
         lines.append(f"  {f.name}: {', '.join(keys)}")
     lines.append(f"every key, its default and meaning: {REFERENCE}")
     return "\n".join(lines)
+
+
+def parser(prog: str, doc: str, schema: type, default_config: str, model_help: str) -> argparse.ArgumentParser:
+    """The options both console scripts take; each adds its own before :func:`parse`."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, epilog=sections_help(schema),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=default_config,
+                   help=f"a YAML file, or the name of a shipped config (default: {default_config})")
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, example: str) -> argparse.Namespace:
+    """Add the dotted overrides, parse (overrides before and after the options alike), set up logging."""
+    p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+    args = p.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args

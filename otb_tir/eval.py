@@ -13,27 +13,19 @@ Arguments are dotted overrides of the shipped config ``eval_tool_use`` (or --con
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from otb_tir.cli import sections_help
+    from otb_tir.cli import parse, parser
     from otb_tir.evaluation.config import EvalConfig
 
-    p = argparse.ArgumentParser(prog="otb-tir-eval", description=__doc__, epilog=sections_help(EvalConfig),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="eval_tool_use",
-                   help="a YAML file, or the name of a shipped config (default: eval_tool_use)")
-    p.add_argument("--model", default=None, help="local HF model folder (default: built-in tiny policy)")
+    p = parser("otb-tir-eval", __doc__, EvalConfig, "eval_tool_use",
+               "local HF model folder (default: built-in tiny policy)")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two reports side by side")
     p.add_argument("--out", default=None, help="--compare: PNG to write (default: next to B, compare.png)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
-    args = p.parse_intermixed_args(argv)  # overrides before and after --model alike
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse(p, argv, "rollout.n=8")
 
     from otb_tir import ConfigError
 

@@ -12,27 +12,19 @@ Arguments are dotted overrides of the shipped config ``tir_math_cpu`` (or --conf
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from otb_tir.cli import sections_help
+    from otb_tir.cli import parse, parser
     from otb_tir.trainer.config import Config
 
-    p = argparse.ArgumentParser(prog="otb-tir-train", description=__doc__, epilog=sections_help(Config),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tir_math_cpu",
-                   help="a YAML file, or the name of a shipped config (default: tir_math_cpu)")
-    p.add_argument("--model", default=None, help="local HF causal LM folder (default: built-in tiny policy)")
+    p = parser("otb-tir-train", __doc__, Config, "tir_math_cpu",
+               "local HF causal LM folder (default: built-in tiny policy)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4")
-    args = p.parse_intermixed_args(argv)  # overrides before and after --model alike
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse(p, argv, "rollout.n=4")
 
     from omegaconf import OmegaConf
 

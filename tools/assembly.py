@@ -141,20 +141,21 @@ def build_tool_set(names: Sequence[str] | None = None, tool_config: Mapping[str,
             built.append(made)
             origins.append(ToolOrigin(name, _class_name(made), tool_source(name), conf))
         if config_path:
-            for made, where, conf in load_tool_entries(config_path):
-                if made.name in {t.name for t in built}:
+            entries = load_tool_entries(config_path)
+            built += [made for made, _, _ in entries]  # before any check: a failure closes them all
+            origins += [ToolOrigin(made.name, _class_name(made), where, conf) for made, where, conf in entries]
+            for made, where, _ in entries:
+                if made.name in names:
                     raise ToolError(f"{where}: a tool named {made.name!r} is also in multi_turn.tools={names}; "
                                     "a tool is defined once: drop it from multi_turn.tools (or rename it in "
                                     "the YAML's tool_schema)")
-                built.append(made)
-                origins.append(ToolOrigin(made.name, _class_name(made), where, conf))
     except BaseException:
         _close_quietly(built)
         raise
     if not built:
-        raise ToolError("the configuration yields no tools: multi_turn.tools is empty and no "
-                        "multi_turn.tool_config_path is set; list tool names (e.g. multi_turn.tools=[python,"
-                        "calculator]) or give a verl-style tools YAML")
+        yaml = f"the tools YAML {config_path} lists none" if config_path else "no multi_turn.tool_config_path is set"
+        raise ToolError(f"the configuration yields no tools: multi_turn.tools is empty and {yaml}; list tool names "
+                        "(e.g. multi_turn.tools=[python,calculator]) or give a verl-style tools YAML")
     return ToolSet(built, origins)
 
 

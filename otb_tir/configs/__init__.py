@@ -8,10 +8,6 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).resolve().parent
 
 
-def shipped_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-
-
 def resolve_config(value: str | Path) -> Path:
     """A config file path, or the name of a shipped config (``tir_math_cpu``, ``eval_tool_use.yaml``)."""
     path = Path(value).expanduser()

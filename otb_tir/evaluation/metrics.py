@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from agent_env import Trajectory
-from agent_env.tool_metrics import ERROR_KINDS, SHOWN_ERROR_KINDS, classify_call
+from agent_env.tool_metrics import ERROR_KINDS, SHOWN_ERROR_KINDS, calls_of, classify_call
 from otb_tir.trainer.trainer import trajectory_metrics
 
 __all__ = ["pass_at_k", "classify_call", "ERROR_KINDS", "ISSUE_ERROR_KINDS", "is_correct", "figures",
@@ -59,10 +59,6 @@ def is_correct(t: Trajectory) -> bool:
     return bool(t.reward_details.get("correct", False))
 
 
-def _calls(t: Trajectory) -> list:
-    return [c for tr in t.turns for c in tr.tool_calls]
-
-
 def figures(trajs: Sequence[Trajectory], pass_k: Iterable[int] = (1,), group_key: str = "uid") -> dict[str, float]:
     """Every evaluation figure of ``trajs`` (see the module docstring). Problems are the groups of
     equal ``group_key`` (the uid shared by the n samples of a prompt)."""
@@ -87,7 +83,7 @@ def figures(trajs: Sequence[Trajectory], pass_k: Iterable[int] = (1,), group_key
     out["accuracy/any_correct"] = float(np.mean([any(cs) for cs in groups.values()]))
     out["reward/mean"] = base["reward/mean"]
 
-    calls = [c for t in trajs for c in _calls(t)]
+    calls = [c for t in trajs for c in calls_of(t)]
     out.update({k: v for k, v in base.items() if k.startswith(("tools/", "errors/"))})
     for name, count in sorted(Counter(c.name or "<none>" for c in calls).items()):
         out[f"tools/by_name/{name}"] = float(count)

@@ -81,7 +81,7 @@ def build_report(cfg: DictConfig, prep: Any, passes: dict[str, tuple[list, dict]
             "model": str(prep.model_path), "engine": cfg.rollout.name, "data": prep.data_desc,
             "problems": len(items), "n": cfg.rollout.n, "temperature": cfg.rollout.temperature,
             "seed": cfg.eval.seed, "tools": sorted(prep.tools), "pass_k": pass_k,
-            "tool_set": prep.tools.describe() if hasattr(prep.tools, "describe") else [],
+            "tool_set": prep.tools.describe(),
             "max_assistant_turns": cfg.multi_turn.max_assistant_turns,
             "response_length": cfg.rollout.response_length, "format": cfg.multi_turn.format,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": wall_s,

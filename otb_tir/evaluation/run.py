@@ -31,7 +31,7 @@ class Prepared:
     """Everything checked at start: problems, tools, model folder, tokenizer."""
 
     items: list[dict[str, Any]]
-    tools: dict[str, Any]
+    tools: Any  # tools.ToolSet
     model_path: Path
     tokenizer: Any
     data_desc: str

@@ -156,3 +156,9 @@ def test_agent_env_without_tools_uses_the_same_assembly(tmp_path, plugin_dir, ti
         asyncio.run(env.close())
     with pytest.raises(EnvError, match="yields no tools"):
         AgentEnv(tiny_tokenizer, config=EpisodeConfig(tools=[]))
+
+
+def test_a_yaml_with_no_tools_and_no_names_says_so(tmp_path):
+    path = _yaml(tmp_path, "tools: []\n")
+    with pytest.raises(ToolError, match="yields no tools: multi_turn.tools is empty and the tools YAML .* lists none"):
+        build_tool_set([], None, path)
