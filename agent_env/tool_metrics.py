@@ -23,8 +23,9 @@ Figures (:func:`tool_metrics`):
   output was cut, every other kind is a failure), the kinds of :data:`SHOWN_ERROR_KINDS` always
   present, and ``errors/<kind>_per_call`` over all calls; ``errors/total`` = failed calls.
 
-:func:`call_counts` gives the same counts for one trajectory (the verl agent loop reports them
-per row, so a verl run's pooled success rate is ``sum(ok) / (sum(ok) + sum(failed))``).
+:func:`episode_counts` gives one trajectory's counts as flat numbers; the verl agent loop reports
+them per row (``tool_<count>`` in verl's reward extra info) and :func:`pooled_tool_metrics` turns
+rows back into the same figures, so a verl run and the local trainer report one definition.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-__all__ = ["ERROR_KINDS", "SHOWN_ERROR_KINDS", "MALFORMED_KINDS", "calls_of", "classify_call", "call_counts",
-           "tool_metrics"]
+__all__ = ["COUNT_KEYS", "ERROR_KINDS", "SHOWN_ERROR_KINDS", "MALFORMED_KINDS", "calls_of", "classify_call", "call_counts",
+           "episode_counts", "pooled_tool_metrics", "tool_metrics"]
 
 #: the kinds every report shows (zero when absent), in this order
 SHOWN_ERROR_KINDS = ("syntax_error", "runtime_error", "timeout", "memory", "output_cut", "malformed_call",
@@ -112,38 +113,61 @@ def call_counts(traj: Any) -> dict[str, Any]:
             "kinds": kinds}
 
 
-def tool_metrics(trajs: Sequence[Any]) -> dict[str, float]:
-    """The tool-use figures of a set of trajectories (see the module docstring)."""
-    n = len(trajs)
+#: the keys of :func:`episode_counts`
+COUNT_KEYS = ("calls", "ok", "failed", "not_executed", "executed", "executed_ok", "errors", "malformed",
+              "infra_retries") + tuple(f"kind_{k}" for k in ERROR_KINDS if k != "not_executed")
+
+
+def episode_counts(traj: Any) -> dict[str, float]:
+    """One trajectory's tool-use counts as flat numbers (a row of a verl batch's reward extra info);
+    :func:`pooled_tool_metrics` turns rows of them into the figures."""
+    c = call_counts(traj)
+    calls = calls_of(traj)
+    row = {"calls": c["calls"], "ok": c["ok"], "failed": c["failed"], "not_executed": c["not_executed"],
+           "executed": c["executed"], "executed_ok": c["executed_ok"], "errors": traj.tool_errors,
+           "malformed": traj.malformed_calls, "infra_retries": sum(getattr(x, "infra_retries", 0) for x in calls)}
+    for kind in ERROR_KINDS:
+        if kind != "not_executed":
+            row[f"kind_{kind}"] = c["kinds"].get(kind, 0)
+    return {k: float(row[k]) for k in COUNT_KEYS}
+
+
+def pooled_tool_metrics(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The tool-use figures (see the module docstring) of episodes given by their
+    :func:`episode_counts` rows."""
+    n = len(rows)
     if not n:
         return {}
-    per = [call_counts(t) for t in trajs]
-    calls = sum(p["calls"] for p in per)
-    ok = sum(p["ok"] for p in per)
-    failed = sum(p["failed"] for p in per)
-    executed = sum(p["executed"] for p in per)
-    kinds: Counter = Counter()
-    for p in per:
-        kinds.update(p["kinds"])
+
+    def total(key: str) -> float:
+        return float(sum(float(r.get(key, 0.0)) for r in rows))
+
+    calls, ok, failed, executed = total("calls"), total("ok"), total("failed"), total("executed")
     out = {
-        "tools/calls": float(calls),
-        "tools/ok": float(ok),
-        "tools/failed": float(failed),
-        "tools/not_executed": float(sum(p["not_executed"] for p in per)),
+        "tools/calls": calls,
+        "tools/ok": ok,
+        "tools/failed": failed,
+        "tools/not_executed": total("not_executed"),
         "tools/success_rate": ok / (ok + failed) if ok + failed else math.nan,
-        "tools/executed_success_rate": sum(p["executed_ok"] for p in per) / executed if executed else math.nan,
-        "tools/call_rate": sum(p["calls"] > 0 for p in per) / n,
+        "tools/executed_success_rate": total("executed_ok") / executed if executed else math.nan,
+        "tools/call_rate": sum(float(r.get("calls", 0.0)) > 0 for r in rows) / n,
         "tools/calls_per_episode": calls / n,
-        "tools/errors_per_episode": sum(t.tool_errors for t in trajs) / n,
-        "tools/malformed_per_episode": sum(t.malformed_calls for t in trajs) / n,
-        "errors/total": float(failed),
+        "tools/errors_per_episode": total("errors") / n,
+        "tools/malformed_per_episode": total("malformed") / n,
+        "errors/total": failed,
         # infrastructure events the model did not see: calls re-run after their worker was killed
-        "tools/infra_retries": float(sum(getattr(c, "infra_retries", 0) for t in trajs for c in calls_of(t))),
+        "tools/infra_retries": total("infra_retries"),
     }
     for kind in ERROR_KINDS:
         if kind == "not_executed":
             continue
-        if kind in SHOWN_ERROR_KINDS or kinds.get(kind):
-            out[f"errors/{kind}"] = float(kinds.get(kind, 0))
-            out[f"errors/{kind}_per_call"] = kinds.get(kind, 0) / calls if calls else math.nan
+        count = total(f"kind_{kind}")
+        if kind in SHOWN_ERROR_KINDS or count:
+            out[f"errors/{kind}"] = count
+            out[f"errors/{kind}_per_call"] = count / calls if calls else math.nan
     return out
+
+
+def tool_metrics(trajs: Sequence[Any]) -> dict[str, float]:
+    """The tool-use figures of a set of trajectories (see the module docstring)."""
+    return pooled_tool_metrics([episode_counts(t) for t in trajs])

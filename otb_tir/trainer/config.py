@@ -39,7 +39,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # hf | vllm | sglang
+    name: str = "auto"  # auto (hf for trainer=local, vllm for trainer=verl) | hf | vllm | sglang
     n: int = 8  # samples per prompt (the group size of the baselines)
     temperature: float = 1.0  # sampling temperature of training rollouts (0 = greedy)
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
@@ -152,6 +152,14 @@ class VerlConfig:  # trainer=verl only: verl settings this recipe does not model
     # "+key=value" for a new one. `verl.<verl key>=value` on the command line (or nested keys under
     # `verl:` in YAML) append to this list.
     overrides: list[str] = field(default_factory=list)
+    # The launcher (ours, not verl's keys): print the exact command and verl config, run nothing.
+    dry_run: bool = False
+    # Watchdog: a phase of verl's trainer (start-up, generation, old log-prob, update, weight sync,
+    # validation...) that runs longer than this is stopped, the run killed and exited non-zero.
+    phase_timeout_s: float = 1800.0
+    # After a traceback in verl's output, the current phase gets this long to finish before the run
+    # is stopped with that traceback (verl can hang after a worker failed, e.g. a failed weight sync).
+    error_grace_s: float = 120.0
 
 
 @dataclass
@@ -170,7 +178,7 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "rollout.name": ("hf", "vllm", "sglang"),
+    "rollout.name": ("auto", "hf", "vllm", "sglang"),
     "multi_turn.format": ("hermes", "code_block"),
     "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),
     "actor.optim.lr_scheduler": ("constant", "cosine"),
@@ -264,7 +272,7 @@ def _take_verl_passthrough(sources: list[tuple[str, Any]], overrides: Sequence[s
         key, _, value = o.partition("=")
         plus = key.startswith("+")
         bare = key[1:] if plus else key
-        if bare.startswith("verl.") and bare != "verl.overrides" and not bare.startswith("verl.overrides."):
+        if bare.startswith("verl.") and bare.split(".")[1] not in _LAUNCHER_KEYS:
             verl.append(("+" if plus else "") + bare[len("verl."):] + "=" + value)
         else:
             ours.append(o)
@@ -282,12 +290,16 @@ def _apply_verl_section(cfg: DictConfig, items: list[str]) -> None:
                           "or drop them (the local trainer is configured by this recipe's own keys)")
 
 
+# keys of the `verl` section that are ours (VerlConfig's fields); every other `verl.<key>` is verl's
+_LAUNCHER_KEYS = frozenset(f.name for f in fields(VerlConfig))
+
+
 def _pop_verl_passthrough(src: Any) -> list[str]:
     """Nested verl keys under a YAML ``verl:`` section (besides ``overrides``) as ``key=value`` items."""
     if not isinstance(src, DictConfig) or not isinstance(src.get("verl"), DictConfig):
         return []
     section = src.verl
-    extra = {k: section[k] for k in list(section.keys()) if k != "overrides"}
+    extra = {k: section[k] for k in list(section.keys()) if k not in _LAUNCHER_KEYS}
     for k in extra:
         section.pop(k)
     out: list[str] = []
@@ -306,6 +318,8 @@ def _pop_verl_passthrough(src: Any) -> list[str]:
 
 
 def _check_ranges(cfg: DictConfig) -> None:
+    if cfg.rollout.name == "auto":  # the local trainer generates with HF; verl serves the policy with vLLM
+        cfg.rollout.name = "vllm" if cfg.trainer.name == "verl" else "hf"
     positive = ["rollout.n", "rollout.response_length", "rollout.max_tokens_per_turn", "data.train_batch_size",
                 "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "actor.ppo_epochs",
                 "multi_turn.max_assistant_turns", "actor.token_stats_chunk"]

@@ -53,7 +53,7 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
 from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E402
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
 from agent_env.reward import RewardConfig  # noqa: E402
-from agent_env.tool_metrics import call_counts  # noqa: E402
+from agent_env.tool_metrics import COUNT_KEYS, episode_counts  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -259,16 +259,13 @@ class OTBToolAgentLoop(AgentLoopBase):
 
 
 def _reward_extra_info(traj: Trajectory | None) -> dict[str, float]:
-    """Per-trajectory figures verl logs next to the reward (same keys for every row). The tool
-    counts are :func:`agent_env.tool_metrics.call_counts`, the definition training and the
-    evaluation use: a batch's success rate is ``sum(tool_ok) / (sum(tool_ok) + sum(tool_failed))``."""
-    keys = ("acc", "tool_calls", "tool_ok", "tool_failed", "tool_not_executed", "tool_errors", "malformed_calls",
-            "void_turns", "assistant_turns")
+    """Per-trajectory figures verl logs next to the reward (same keys for every row): ``acc``,
+    ``void_turns``, ``assistant_turns`` and ``tool_<count>`` for each count of
+    :func:`agent_env.tool_metrics.episode_counts`, the definition training and the evaluation use
+    (:func:`~agent_env.tool_metrics.pooled_tool_metrics` of the rows gives the batch's figures)."""
     if traj is None:
-        return dict.fromkeys(keys, 0.0)
-    counts = call_counts(traj)
-    return {"acc": float(bool(traj.reward_details.get("correct", False))),
-            "tool_calls": float(counts["calls"]), "tool_ok": float(counts["ok"]), "tool_failed": float(counts["failed"]),
-            "tool_not_executed": float(counts["not_executed"]), "tool_errors": float(traj.tool_errors),
-            "malformed_calls": float(traj.malformed_calls), "void_turns": float(traj.void_turns),
-            "assistant_turns": float(traj.num_turns)}
+        counts = dict.fromkeys(COUNT_KEYS, 0.0)
+        return {"acc": 0.0, "void_turns": 0.0, "assistant_turns": 0.0, **{f"tool_{k}": v for k, v in counts.items()}}
+    return {"acc": float(bool(traj.reward_details.get("correct", False))), "void_turns": float(traj.void_turns),
+            "assistant_turns": float(traj.num_turns),
+            **{f"tool_{k}": v for k, v in episode_counts(traj).items()}}

@@ -34,10 +34,13 @@ win over the values this module derives from the recipe.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
@@ -47,12 +50,15 @@ from tools import DEFAULT_TOOLS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OTB_ESTIMATORS", "compose_verl_config", "run_verl", "validate_verl_config", "verl_config_dir"]
+__all__ = ["OTB_ESTIMATORS", "VerlRunError", "compose_verl_config", "main", "prepare_verl", "run_verl",
+           "validate_verl_config", "verl_config_dir"]
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 AGENT_LOOP_TARGET = "otb_tir.verl.agent_loop.OTBToolAgentLoop"
 DEFAULT_PROMPT_LENGTH = 1024
-_LOGGERS = {"console": "console", "jsonl": "file", "tensorboard": "tensorboard", "wandb": "wandb"}
+# trainer.loggers → verl's trainer.logger; jsonl and tensorboard are written by our hooks in the TaskRunner
+# (otb_tir.verl.hooks: the local trainer's MetricsLogger, so both trainers write the same files)
+_LOGGERS = {"console": "console", "wandb": "wandb", "jsonl": None, "tensorboard": None}
 
 
 def verl_config_dir() -> Path:
@@ -221,7 +227,7 @@ def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
     return [{"name": "otb_tir_agent", **kwargs}, {"name": "tool_agent", **kwargs}]
 
 
-def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: bool | None = None) -> DictConfig:
     """verl's PPO trainer config for our recipe ``cfg`` (see the module docstring).
 
     Writes the agent-loop YAML (and, without data files, the built-in train/test parquet files)
@@ -245,6 +251,10 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
     OmegaConf.save(OmegaConf.create(_agent_loop_entries(cfg)), agent_loop_yaml)
 
     a, r, o = cfg.actor, cfg.rollout, cfg.actor.optim
+    # verl splits each mini-batch (and each log-prob batch) into micro-batches of exactly this many
+    # rows and asserts divisibility: the largest size <= ours that divides them
+    micro = math.gcd(int(a.ppo_micro_batch_size), int(a.ppo_mini_batch_size) * int(r.n))
+    log_prob_micro = math.gcd(micro, int(cfg.data.train_batch_size) * int(r.n))
     otb = cfg.algorithm.adv_estimator in OTB_ESTIMATORS
     settings: dict[str, Any] = {
         # algorithm
@@ -259,7 +269,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
         "actor_rollout_ref.model.use_fused_kernels": False,
         "actor_rollout_ref.model.path": model_path,
         "actor_rollout_ref.actor.ppo_mini_batch_size": int(a.ppo_mini_batch_size),
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": int(a.ppo_micro_batch_size),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": micro,
         "actor_rollout_ref.actor.ppo_epochs": int(a.ppo_epochs),
         "actor_rollout_ref.actor.clip_ratio_low": float(a.clip_ratio_low),
         "actor_rollout_ref.actor.clip_ratio_high": float(a.clip_ratio_high),
@@ -275,7 +285,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
         "actor_rollout_ref.actor.optim.betas": [float(b) for b in o.betas],
         "actor_rollout_ref.actor.optim.lr_warmup_steps": int(o.warmup_steps) if o.warmup_steps else -1,
         "actor_rollout_ref.actor.optim.lr_scheduler_type": o.lr_scheduler,
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": int(a.ppo_micro_batch_size),
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": log_prob_micro,
         # rollout
         "actor_rollout_ref.rollout.name": r.name,
         "actor_rollout_ref.rollout.mode": "async",
@@ -285,7 +295,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
         "actor_rollout_ref.rollout.top_k": int(r.top_k),
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": int(a.ppo_micro_batch_size),
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": log_prob_micro,
         "actor_rollout_ref.rollout.val_kwargs.temperature": float(cfg.eval.temperature),
         "actor_rollout_ref.rollout.val_kwargs.do_sample": float(cfg.eval.temperature) > 0,
         "actor_rollout_ref.rollout.val_kwargs.n": int(cfg.eval.n),
@@ -322,7 +332,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
         "trainer.test_freq": int(cfg.trainer.total_steps) if cfg.eval.after else -1,
         "trainer.project_name": cfg.trainer.project_name,
         "trainer.experiment_name": cfg.trainer.experiment_name,
-        "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if name in _LOGGERS],
+        "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if _LOGGERS.get(name)],
         "trainer.rollout_data_dir": None,
     }
     if cfg.algorithm.rollout_is:
@@ -333,12 +343,23 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictC
         raise ConfigError(f"trainer.loggers {unknown_loggers} have no verl counterpart; valid: {sorted(_LOGGERS)}")
     for key, value in settings.items():
         _set(v, key, value)
+    if cpu is None:
+        cpu = _device(cfg) == "cpu"
+    if cpu:  # no accelerator: what verl and vLLM-CPU need (otb_tir.verl.cpu); the user's overrides still win
+        from otb_tir.verl.cpu import cpu_overrides
+
+        prompt = DEFAULT_PROMPT_LENGTH
+        for key, value in cpu_overrides(max_model_len=prompt + int(r.response_length)).items():
+            if key.startswith("+"):
+                OmegaConf.update(v, key[1:], value, merge=False, force_add=True)
+            else:
+                _set(v, key, value)
     with open_dict(v):
         runtime_env = v.ray_kwargs.ray_init.runtime_env
         current = runtime_env.get("env_vars")
         env_vars = dict(OmegaConf.to_container(current)) if current is not None else {}
-        env_vars["TENSORBOARD_DIR"] = str(out / "tensorboard")
-        env_vars["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+        env_vars["OTB_TIR_OUTPUT_DIR"] = str(out)  # read by otb_tir.verl.task_runner (hooks, metrics files)
+        env_vars["OTB_TIR_LOGGERS"] = ",".join(name for name in cfg.trainer.loggers if name in ("jsonl", "tensorboard"))
         runtime_env["env_vars"] = env_vars
     _apply_user_overrides(v, parsed)
     return v
@@ -376,19 +397,135 @@ def _check_tools(cfg: DictConfig) -> list[dict[str, Any]]:
     return described
 
 
-def run_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
-    """Compose, validate and run verl's PPO trainer with the OTB plugin (needs GPUs and Ray)."""
-    _check_tools(cfg)
-    vcfg = compose_verl_config(cfg, overrides)
-    from verl.trainer.main_ppo import run_ppo
-    from verl.utils.device import auto_set_device
+class VerlRunError(RuntimeError):
+    """verl's trainer failed, hung in a phase, or exited without finishing (the message says which)."""
 
-    auto_set_device(vcfg)
+
+def _device(cfg: DictConfig) -> str:
+    """``cpu`` (this module's CPU profile, :mod:`otb_tir.verl.cpu`) or ``gpu``, from ``trainer.device``."""
+    from otb_tir.verl.cpu import has_accelerator
+
+    want = cfg.trainer.device
+    if want == "cpu":
+        return "cpu"
+    if want == "cuda":
+        return "gpu"
+    return "gpu" if has_accelerator() else "cpu"
+
+
+def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Everything up to launching verl: the tools checked, verl's config composed and validated and
+    written to ``<output_dir>/verl_config.yaml``; returns the command, its environment and facts."""
+    import shlex
+    import sys
+
+    device = _device(cfg)
+    if device == "gpu" and cfg.trainer.device == "cuda" and not cfg.verl.dry_run:
+        from otb_tir.verl.cpu import has_accelerator
+
+        if not has_accelerator():
+            raise ConfigError("trainer.device=cuda but torch sees no GPU here (trainer.device=auto runs verl's "
+                              "CPU profile on a machine without one; verl.dry_run=true prints the GPU command)")
+    _check_tools(cfg)
+    vcfg = compose_verl_config(cfg, overrides, cpu=device == "cpu")
+    env: dict[str, str] = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true")}
+    if device == "cpu":
+        from otb_tir.verl import cpu
+
+        env.update(cpu.cpu_env())
+        with open_dict(vcfg):
+            vcfg.ray_kwargs.ray_init.runtime_env.env_vars.update(env)
     validate_verl_config(vcfg)
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
-    OmegaConf.save(vcfg, out / "verl_config.yaml")
-    logger.info("verl config written to %s; starting verl's run_ppo", out / "verl_config.yaml")
+    config_path = out / "verl_config.yaml"
+    OmegaConf.save(vcfg, config_path)
+    cmd = [sys.executable, "-m", "otb_tir.verl.launch", str(config_path)]
+    info = {
+        "device": device,
+        "trainer": ("verl RayPPOTrainer (trainer.use_v1=false): verl 0.9.1's default v1 trainer never asks the actor "
+                    "for sum_pi_squared, so its OTB estimators cannot run there"),
+        "adv_estimator": cfg.algorithm.adv_estimator,
+        "rollout": vcfg.actor_rollout_ref.rollout.name,
+        "n_gpus_per_node": int(vcfg.trainer.n_gpus_per_node),
+        "nnodes": int(vcfg.trainer.nnodes),
+        "verl_config": str(config_path),
+        "env": env,
+        "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, cmd)]),
+        "argv": cmd,
+    }
+    (out / "verl_run.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def run_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any] | None:
+    """Compose, validate and run verl's PPO trainer with our agent loop, estimators and hooks.
+
+    verl runs in a child process (``python -m otb_tir.verl.launch <verl_config.yaml>``, its output
+    in ``<output_dir>/verl.log`` and on this console) under a watchdog: a phase longer than
+    ``verl.phase_timeout_s``, or not finished ``verl.error_grace_s`` after a traceback, stops the
+    run with :class:`VerlRunError` naming the phase and the traceback. Returns ``summary.json``'s
+    content; with ``verl.dry_run=true`` prints the command and config and returns None.
+    """
+    info = prepare_verl(cfg, overrides)
+    out = Path(cfg.trainer.output_dir).expanduser().resolve()
+    if cfg.verl.dry_run:
+        print(f"# verl config: {info['verl_config']}\n# {info['trainer']}\n# device: {info['device']}, rollout: "
+              f"{info['rollout']}, {info['nnodes']} node(s) x {info['n_gpus_per_node']} GPU(s)\n{info['command']}")
+        return None
+    from otb_tir.verl.watchdog import run_watched
+
+    t0 = time.time()
+    run_watched(info["argv"], env={**os.environ, **info["env"]}, log_path=out / "verl.log",
+                progress_path=out / "progress.json", phase_timeout_s=float(cfg.verl.phase_timeout_s),
+                error_grace_s=float(cfg.verl.error_grace_s))
+    summary = _summary(cfg, out, info, time.time() - t0)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary(cfg: DictConfig, out: Path, info: Mapping[str, Any], wall: float) -> dict[str, Any]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (out / "metrics.jsonl").is_file() else []
+    steps = [r for r in rows if "training/global_step" in r]
+    if len(steps) < int(cfg.trainer.total_steps):
+        raise VerlRunError(f"verl exited 0 after {len(steps)} of {cfg.trainer.total_steps} training steps "
+                           f"(see {out / 'verl.log'})")
+    vals = [r for r in rows if "val/accuracy" in r]
+
+    def figures(r: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        if r is None:
+            return None
+        return {"step": r["step"], "accuracy": r["val/accuracy"],
+                **{k.split("/")[-2]: v for k, v in r.items() if k.startswith("val-aux/") and k.endswith("/mean@1")
+                   and k.split("/")[-2] in ("reward", "tool_calls", "assistant_turns")}}
+
+    before = next((r for r in vals if r["step"] == 0), None)
+    after = vals[-1] if vals and vals[-1]["step"] > 0 else None
+    tools = json.loads((out / "tools.json").read_text()) if (out / "tools.json").is_file() else None
+    return {"trainer": "verl", "verl": require_verl().__version__, "device": info["device"],
+            "trainer_path": info["trainer"], "adv_estimator": info["adv_estimator"], "rollout": info["rollout"],
+            "steps": len(steps), "tools": tools, "before": figures(before), "after": figures(after),
+            "last_step": {k: v for k, v in steps[-1].items() if not k.startswith(("val-", "errors/"))},
+            "verl_config": info["verl_config"], "wall_time_s": wall}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m otb_tir.verl.launch <verl_config.yaml>``: verl's ``run_ppo`` with our TaskRunner on a
+    config written by :func:`prepare_verl` (what ``trainer=verl`` runs; also by hand)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m otb_tir.verl.launch", description=main.__doc__)
+    p.add_argument("config", help="verl_config.yaml written by the recipe (trainer=verl)")
+    args = p.parse_args(argv)
+    vcfg = OmegaConf.load(args.config)
+    require_verl()
+    from verl.trainer.main_ppo import run_ppo
+
     from otb_tir.verl.task_runner import OTBTaskRunner
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     run_ppo(vcfg, task_runner_class=OTBTaskRunner)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ This module imports verl and Ray at import time; :func:`otb_tir.verl.launch.run_
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from otb_tir.verl import require_verl
@@ -20,17 +21,21 @@ from otb_tir.verl import require_verl
 require_verl()
 
 import ray  # noqa: E402
+from verl.trainer.main_ppo_v0 import BaseTaskRunner  # noqa: E402
 from verl.trainer.main_ppo_v0 import TaskRunner as _VerlTaskRunnerActor  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OTBTaskRunner", "OTBTaskRunnerImpl"]
 
-# `TaskRunner` is a Ray ActorClass; the plain class it wraps is `__ray_actor_class__`.
-_VerlTaskRunner = _VerlTaskRunnerActor.__ray_actor_class__
+# `TaskRunner` is a Ray ActorClass. The class Ray keeps (`__ray_actor_class__`) is a copy, not a
+# subclass, of the one verl wrote, so subclassing it breaks the zero-argument `super()` in its
+# `__init__` ("super(type, obj): obj must be an instance or subtype of type"). We subclass verl's
+# `BaseTaskRunner` (what TaskRunner.__init__ initializes) and call TaskRunner's `run` on ourselves.
+_verl_run = _VerlTaskRunnerActor.__ray_actor_class__.run
 
 
-class OTBTaskRunnerImpl(_VerlTaskRunner):
+class OTBTaskRunnerImpl(BaseTaskRunner):
     """verl's TaskRunner whose ``run`` first installs our estimators and registers our agent loop."""
 
     def run(self, config: Any) -> Any:
@@ -41,7 +46,13 @@ class OTBTaskRunnerImpl(_VerlTaskRunner):
         if not installed():  # pragma: no cover - install() guarantees it
             raise RuntimeError("the OTB plugin did not install")
         logger.info("OTB estimators installed in the TaskRunner process")
-        return super().run(config)
+        out = os.environ.get("OTB_TIR_OUTPUT_DIR")
+        if out:  # launched by the recipe: progress for the watchdog, contract checks, our metrics files
+            from otb_tir.verl import hooks
+
+            loggers = [x for x in os.environ.get("OTB_TIR_LOGGERS", "jsonl,tensorboard").split(",") if x]
+            hooks.install(out, loggers)
+        return _verl_run(self, config)
 
 
 OTBTaskRunner = ray.remote(OTBTaskRunnerImpl)

@@ -19,7 +19,7 @@ BASE = ["trainer=verl", "rollout.name=vllm", "data.train_size=12", "data.val_siz
         "rollout.response_length=2048", "rollout.temperature=0.9", "actor.optim.lr=3e-6",
         "multi_turn.max_assistant_turns=5", "multi_turn.max_tool_response_length=300",
         "multi_turn.tool_response_truncate_side=tail", "trainer.n_gpus_per_node=8", "trainer.nnodes=2",
-        "trainer.total_steps=7", "trainer.loggers=[console,jsonl,tensorboard]"]
+        "trainer.total_steps=7", "trainer.loggers=[console,jsonl,tensorboard]", "trainer.device=cuda"]
 
 
 def _cfg(tiny_model_dir, out, *extra):
@@ -83,9 +83,16 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     # trainer
     assert v.trainer.n_gpus_per_node == 8 and v.trainer.nnodes == 2 and v.trainer.total_training_steps == 7
     assert v.trainer.default_local_dir == str(out / "checkpoints")
-    assert list(v.trainer.logger) == ["console", "file", "tensorboard"]
+    # verl logs to the console; metrics.jsonl and TensorBoard are written by our hooks in the TaskRunner
+    assert list(v.trainer.logger) == ["console"]
     env = v.ray_kwargs.ray_init.runtime_env.env_vars
-    assert env.TENSORBOARD_DIR == str(out / "tensorboard") and env.VERL_FILE_LOGGER_PATH == str(out / "metrics.jsonl")
+    assert env.OTB_TIR_OUTPUT_DIR == str(out) and env.OTB_TIR_LOGGERS == "jsonl,tensorboard"
+    # a GPU run gets none of the CPU profile (otb_tir.verl.cpu)
+    from otb_tir.verl.cpu import ENV_FLAG, cpu_overrides
+
+    assert ENV_FLAG not in env and "VERL_PLATFORM" not in env and v.trainer.device == "cuda"
+    assert "num_gpus" not in v.ray_kwargs.ray_init and v.actor_rollout_ref.rollout.enforce_eager is False
+    assert v.actor_rollout_ref.actor.strategy == "fsdp"
     assert Path(v.reward.custom_reward_function.path).is_file()
 
 
@@ -171,10 +178,15 @@ def test_bad_verl_overrides_fail_before_any_work(tiny_model_dir, tmp_path):
 
 
 def test_task_runner_installs_the_plugin_before_verls_run(composed, monkeypatch):
-    from otb_tir.verl import plugin
-    from otb_tir.verl.task_runner import OTBTaskRunner, OTBTaskRunnerImpl, _VerlTaskRunner
+    from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
-    assert OTBTaskRunner.__ray_actor_class__ is OTBTaskRunnerImpl and issubclass(OTBTaskRunnerImpl, _VerlTaskRunner)
+    from otb_tir.verl import plugin, task_runner
+    from otb_tir.verl.task_runner import OTBTaskRunner, OTBTaskRunnerImpl
+
+    # Ray keeps a copy of verl's TaskRunner, so ours derives from BaseTaskRunner (see task_runner.py)
+    assert issubclass(OTBTaskRunner.__ray_actor_class__, OTBTaskRunnerImpl) or \
+        OTBTaskRunner.__ray_actor_class__.__name__ == OTBTaskRunnerImpl.__name__
+    assert issubclass(OTBTaskRunnerImpl, BaseTaskRunner)
     plugin.uninstall()
     assert not plugin.installed()
     seen = {}
@@ -183,27 +195,45 @@ def test_task_runner_installs_the_plugin_before_verls_run(composed, monkeypatch)
         seen["installed"] = plugin.installed()
         seen["config"] = config
 
-    monkeypatch.setattr(_VerlTaskRunner, "run", fake_run)
+    monkeypatch.delenv("OTB_TIR_OUTPUT_DIR", raising=False)
+    monkeypatch.setattr(task_runner, "_verl_run", fake_run)
     OTBTaskRunnerImpl().run("cfg")
     assert seen == {"installed": True, "config": "cfg"}
     plugin.uninstall()
 
 
-def test_run_verl_and_the_recipe_call_run_ppo_with_our_task_runner(tiny_model_dir, tmp_path, monkeypatch):
+def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    """The multi-GPU recipe validated without running: the printed command runs
+    ``python -m otb_tir.verl.launch <verl_config.yaml>``, whose main() calls verl's run_ppo with our TaskRunner."""
+    import shlex
+
     import verl.trainer.main_ppo as main_ppo
+
+    from otb_tir.train import main as train_main
+    from otb_tir.verl.launch import main as launch_main
     from otb_tir.verl.task_runner import OTBTaskRunner
 
+    for rollout in ("vllm", "sglang"):
+        out = tmp_path / rollout
+        rc = train_main([*BASE, f"rollout.name={rollout}", f"trainer.output_dir={out}", "verl.dry_run=true",
+                         "--model", str(tiny_model_dir)])
+        printed = capsys.readouterr().out
+        assert rc == 0
+        command = [line for line in printed.splitlines() if not line.startswith("#")][-1]
+        argv = shlex.split(command)
+        assert argv[-3:] == ["-m", "otb_tir.verl.launch", str(out.resolve() / "verl_config.yaml")]
+        assert not any(a.startswith("OTB_TIR_VERL_CPU=") for a in argv)  # the GPU command: no CPU profile
+        saved = OmegaConf.load(out / "verl_config.yaml")
+        assert saved.actor_rollout_ref.rollout.name == rollout and saved.trainer.n_gpus_per_node == 8
+        assert saved.trainer.nnodes == 2 and saved.trainer.use_v1 is False
+        assert not (out / "metrics.jsonl").exists() and not (out / "verl.log").exists()  # nothing ran
     calls = []
     monkeypatch.setattr(main_ppo, "run_ppo", lambda config, task_runner_class: calls.append((config, task_runner_class)))
-    from otb_tir.train import main as train_main
-
-    rc = train_main([*BASE, f"trainer.output_dir={tmp_path}", "--model", str(tiny_model_dir)])
-    assert rc == 0 and len(calls) == 1
+    assert launch_main([str(tmp_path / "vllm" / "verl_config.yaml")]) == 0
     config, runner = calls[0]
-    assert runner is OTBTaskRunner
-    assert config.algorithm.adv_estimator == "tir_optimal_token_baseline"
-    saved = OmegaConf.load(tmp_path / "verl_config.yaml")
-    assert saved.actor_rollout_ref.actor.calculate_sum_pi_squared is True
+    assert runner is OTBTaskRunner and config.algorithm.adv_estimator == "tir_optimal_token_baseline"
+    assert config.actor_rollout_ref.actor.calculate_sum_pi_squared is True
 
 
 def test_missing_verl_gives_one_clear_error(monkeypatch):

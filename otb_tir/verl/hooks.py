@@ -1,0 +1,294 @@
+"""What our TaskRunner adds to verl's PPO trainer (``RayPPOTrainer``), in the TaskRunner process.
+
+:func:`install` wraps, in that process only (verl's files are untouched):
+
+* **Progress** for the launcher's watchdog: each phase verl times (``marked_timer``: gen, reward,
+  old_log_prob, adv, update_actor, update_weights, testing, ...) plus worker start-up, validation
+  and the first weight sync, written to ``<output_dir>/progress.json`` as
+  ``{"phase", "since", "step", "pid"}`` when it begins and ends (:class:`Progress`).
+* **The batch contract**, checked on every batch verl builds (``compute_advantage``): tool tokens
+  (inside the response, ``response_mask`` 0) get advantage 0; the reward sits on the row's last
+  policy token; policy tokens carry non-zero advantages in groups whose rewards differ; and, for
+  the OTB estimators, verl's own implementation gives the same advantages on the same batch. The
+  figures are logged per step under ``contract/``; a broken invariant stops the run
+  (:class:`ContractError`).
+* **Metrics**: verl's metrics plus the local trainer's names (``reward/mean``, ``tools/*`` from the
+  agent loop's per-row counts, ``advantages/*``, ``timing/*_s``, ``val/accuracy``), written by the
+  local trainer's :class:`~otb_tir.trainer.logging.MetricsLogger` (``metrics.jsonl``,
+  TensorBoard, ``curves.png``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ContractError", "Progress", "check_contract", "install", "translate_metrics"]
+
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+CONTRACT_TOL = 1e-5  # fp32: ours vs verl's estimator differ by rounding only (measured ~1e-7)
+
+
+class ContractError(RuntimeError):
+    """verl's batch breaks the multi-turn data contract (see the module docstring)."""
+
+
+class Progress:
+    """``progress.json``: the phase the trainer is in, for the launcher's watchdog (atomic writes)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.step = 0
+        self.stack: list[str] = []
+
+    def write(self, phase: str, failed: str | None = None) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        row = {"phase": phase, "since": time.time(), "step": self.step, "pid": os.getpid()}
+        if failed:
+            row["failed"] = failed  # the phase that raised (the watchdog names it)
+        tmp.write_text(json.dumps(row))
+        os.replace(tmp, self.path)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.stack.append(name)
+        self.write(name)
+        failed = None
+        try:
+            yield
+        except BaseException:
+            failed = name
+            raise
+        finally:
+            self.stack.pop()
+            self.write(self.stack[-1] if self.stack else "between_phases", failed=failed)
+
+
+def _response_attention(batch: Any) -> torch.Tensor:
+    T = batch["responses"].shape[-1]
+    return batch["attention_mask"][:, -T:]
+
+
+def check_contract(data: Any, adv_estimator: str, verl_estimator: Callable[..., Any] | None,
+                   config: Any = None) -> dict[str, float]:
+    """The contract figures of a batch after ``compute_advantage`` (raises :class:`ContractError`)."""
+    b = data.batch
+    mask = b["response_mask"].bool()
+    adv = b["advantages"]
+    scores = b["token_level_rewards"]
+    inside = _response_attention(b).bool()
+    tool = inside & ~mask
+    out: dict[str, float] = {"contract/tool_tokens": float(tool.sum()),
+                             "contract/policy_tokens": float(mask.sum())}
+    out["contract/tool_token_adv_max_abs"] = float(adv[tool].abs().max()) if tool.any() else 0.0
+    out["contract/pad_adv_max_abs"] = float(adv[~inside].abs().max()) if (~inside).any() else 0.0
+    # the reward sits on the last policy token of its row
+    T = mask.shape[-1]
+    pos = torch.arange(T).expand_as(mask)
+    last = torch.where(mask, pos, torch.full_like(pos, -1)).max(dim=-1).values
+    off_last = (scores != 0) & (pos != last[:, None])
+    out["contract/reward_off_last_policy_token"] = float(off_last.sum())
+    # non-zero advantages where the group's rewards differ
+    uid = data.non_tensor_batch.get("uid")
+    rewards = scores.sum(-1)
+    if uid is not None:
+        _, inv = np.unique(np.asarray(uid), return_inverse=True)
+        inv_t = torch.as_tensor(inv)
+        g = int(inv.max()) + 1
+        rmin = torch.full((g,), math.inf, dtype=rewards.dtype).scatter_reduce(0, inv_t, rewards, "amin")
+        rmax = torch.full((g,), -math.inf, dtype=rewards.dtype).scatter_reduce(0, inv_t, rewards, "amax")
+        informative = (rmax > rmin)[inv_t]
+        rows = informative[:, None] & mask
+        out["contract/informative_groups"] = float((rmax > rmin).sum())
+        out["contract/groups"] = float(g)
+        out["contract/informative_policy_adv_nonzero_frac"] = (
+            float((adv[rows] != 0).float().mean()) if rows.any() else math.nan)
+    if verl_estimator is not None and adv_estimator in OTB_ESTIMATORS:
+        theirs, _ = verl_estimator(
+            token_level_rewards=scores, response_mask=b["response_mask"], config=config,
+            index=data.non_tensor_batch.get("uid"), sum_pi_squared=b["sum_pi_squared"],
+            old_log_probs=b["old_log_probs"], rollout_is_weights=b.get("rollout_is_weights", None))
+        out["contract/adv_max_abs_diff_vs_verl"] = float((adv - theirs).abs().max())
+    problems = []
+    if out["contract/tool_token_adv_max_abs"] != 0.0:
+        problems.append(f"tool tokens carry advantages (max |A| {out['contract/tool_token_adv_max_abs']:.3g})")
+    if out["contract/reward_off_last_policy_token"]:
+        problems.append(f"{int(out['contract/reward_off_last_policy_token'])} rewards are not on the last policy token")
+    if out.get("contract/adv_max_abs_diff_vs_verl", 0.0) > CONTRACT_TOL:
+        problems.append(f"our {adv_estimator} differs from verl's by {out['contract/adv_max_abs_diff_vs_verl']:.3g}")
+    if out.get("contract/informative_groups", 0) and out["contract/informative_policy_adv_nonzero_frac"] == 0.0:
+        problems.append("groups with different rewards got all-zero advantages")
+    if problems:
+        raise ContractError("verl's batch breaks the multi-turn contract: " + "; ".join(problems))
+    return out
+
+
+def _mean(values: Any) -> float:
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()) if arr.size else math.nan
+
+
+def batch_metrics(data: Any) -> dict[str, float]:
+    """The local trainer's figures computed from verl's batch (rewards, tools, episodes, advantages)."""
+    from agent_env.tool_metrics import COUNT_KEYS, pooled_tool_metrics
+
+    b, nt = data.batch, data.non_tensor_batch
+    out: dict[str, float] = {}
+    scores = b["token_level_scores"].sum(-1) if "token_level_scores" in b.keys() else None
+    if scores is not None:
+        out["reward/mean"] = float(scores.float().mean())
+    if "acc" in nt:
+        out["reward/accuracy"] = _mean(nt["acc"])
+    counts = [k for k in COUNT_KEYS if f"tool_{k}" in nt]  # the agent loop's per-row counts
+    if counts:
+        n = len(nt[f"tool_{counts[0]}"])
+        rows = [{k: float(nt[f"tool_{k}"][i]) for k in counts} for i in range(n)]
+        out.update(pooled_tool_metrics(rows))
+    if "assistant_turns" in nt:
+        out["episode/turns_mean"] = _mean(nt["assistant_turns"])
+    if "void_turns" in nt:
+        out["episode/void_turn_rate"] = float((np.asarray(nt["void_turns"], float) > 0).mean())
+    mask = b["response_mask"].float()
+    inside = _response_attention(b).float()
+    out["response/length_mean"] = float(inside.sum(-1).mean())
+    out["response/policy_tokens_mean"] = float(mask.sum(-1).mean())
+    out["response/tool_token_share"] = float((inside - mask).sum() / inside.sum().clamp(min=1))
+    if "advantages" in b.keys():
+        a = b["advantages"][mask.bool()]
+        if a.numel():
+            out["advantages/mean"] = float(a.mean())
+            out["advantages/std"] = float(a.std()) if a.numel() > 1 else 0.0
+            out["advantages/abs_max"] = float(a.abs().max())
+    return out
+
+
+# verl name → the local trainer's name (for curves.png, summary.json and side-by-side comparisons)
+_RENAMES = {"actor/pg_loss": "actor/pg_loss", "actor/entropy": "actor/entropy", "actor/grad_norm": "actor/grad_norm",
+            "actor/pg_clipfrac": "actor/clip_frac", "actor/ppo_kl": "actor/approx_kl"}
+
+
+def translate_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """verl's step metrics plus the local trainer's names for the same figures."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    for src, dst in _RENAMES.items():
+        if src in out and dst not in out:
+            out[dst] = out[src]
+    for k, v in list(out.items()):
+        phase = k[len("timing_s/"):]
+        if k.startswith("timing_s/") and "/" not in phase:  # gen, reward, old_log_prob, adv, update_actor, ...
+            out[f"timing/{phase}_s"] = v
+    acc = [v for k, v in out.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+    if acc:
+        out["val/accuracy"] = acc[0]
+    return out
+
+
+def install(output_dir: str | Path, loggers: list[str] | None = None) -> Progress:
+    """Wrap verl's trainer functions in this process (see the module docstring)."""
+    from verl.trainer.ppo import ray_trainer as rt
+    from verl.utils import tracking
+
+    from otb_tir.trainer.logging import MetricsLogger
+    from otb_tir.verl import plugin
+
+    out = Path(output_dir)
+    progress = Progress(out / "progress.json")
+    progress.write("init")
+    sink = MetricsLogger(out, loggers=[x for x in (loggers or ["jsonl", "tensorboard"]) if x != "console"],
+                         plot_every=1)
+    verl_originals = plugin.install()
+    pending: dict[str, float] = {}
+
+    original_timer = rt.marked_timer
+
+    @contextlib.contextmanager
+    def marked_timer(name: str, timing_raw: dict, *args: Any, **kwargs: Any):
+        with progress.phase(name), original_timer(name, timing_raw, *args, **kwargs):
+            yield
+
+    rt.marked_timer = marked_timer
+
+    def phased(cls: type, method: str, phase: str) -> None:
+        fn = getattr(cls, method)
+
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with progress.phase(phase):
+                return fn(self, *args, **kwargs)
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        setattr(cls, method, wrapper)
+
+    phased(rt.RayPPOTrainer, "init_workers", "init_workers")
+    phased(rt.RayPPOTrainer, "_validate", "validate")
+    phased(rt.RayPPOTrainer, "_load_checkpoint", "load_checkpoint")
+
+    original_fit = rt.RayPPOTrainer.fit
+
+    def fit(self: Any) -> Any:
+        manager = self.checkpoint_manager
+        update = manager.update_weights
+
+        def update_weights(*args: Any, **kwargs: Any) -> Any:
+            with progress.phase("update_weights"):
+                return update(*args, **kwargs)
+
+        manager.update_weights = update_weights
+        try:
+            result = original_fit(self)
+            progress.write("finished")  # the watchdog gives the exit its teardown time from here
+            return result
+        finally:
+            manager.update_weights = update
+            sink.close()
+
+    rt.RayPPOTrainer.fit = fit
+
+    original_adv = rt.compute_advantage
+
+    def compute_advantage(data: Any, adv_estimator: Any, *args: Any, config: Any = None, **kwargs: Any) -> Any:
+        data = original_adv(data, adv_estimator, *args, config=config, **kwargs)
+        name = str(getattr(adv_estimator, "value", adv_estimator))
+        pending.clear()
+        pending.update(check_contract(data, name, verl_originals.get(name), config))
+        return data
+
+    rt.compute_advantage = compute_advantage
+
+    original_data_metrics = rt.compute_data_metrics
+
+    def compute_data_metrics(batch: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        metrics = original_data_metrics(batch, *args, **kwargs)
+        metrics.update(batch_metrics(batch))
+        metrics.update(pending)
+        pending.clear()
+        return metrics
+
+    rt.compute_data_metrics = compute_data_metrics
+
+    original_log = tracking.Tracking.log
+
+    def log(self: Any, data: Mapping[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
+        result = original_log(self, data, step, *args, **kwargs)
+        progress.step = int(step)
+        sink.log(translate_metrics(data), step=int(step))
+        return result
+
+    tracking.Tracking.log = log
+    logger.info("otb_tir hooks installed in the TaskRunner (pid %d)", os.getpid())
+    return progress
