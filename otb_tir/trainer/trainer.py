@@ -78,6 +78,9 @@ def trajectory_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[st
         "response/length_mean": float(total.mean()),
         "response/policy_tokens_mean": float(sampled.mean()),
         "response/tool_token_share": float((total - sampled).sum() / max(total.sum(), 1.0)),
+        # per-episode means of where an episode's time went (verl's agent-loop timings, same names)
+        **{f"timing/episode_{k}_s": float(np.mean([t.timings.get(f"{k}_s", 0.0) for t in trajs]))
+           for k in ("generate", "tools", "reward")},
     }
     reasons: dict[str, int] = {}
     for t in trajs:

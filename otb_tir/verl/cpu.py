@@ -293,10 +293,12 @@ _classes: dict[str, type] = {}
 def _cached(name: str, build: Callable[[], type]) -> type:
     cls = _classes.get(name)
     if cls is None:
-        cls = build()
-        cls.__module__ = MODULE
-        cls.__qualname__ = cls.__name__ = name
-        _classes[name] = cls
+        built = build()
+        built.__module__ = MODULE
+        built.__qualname__ = built.__name__ = name
+        # build() imports verl modules, whose post-import hooks may have asked for (and patched) this
+        # class already: the first one made is the one everybody gets
+        cls = _classes.setdefault(name, built)
     return cls
 
 

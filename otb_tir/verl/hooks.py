@@ -193,6 +193,10 @@ def translate_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
         phase = k[len("timing_s/"):]
         if k.startswith("timing_s/") and "/" not in phase:  # gen, reward, old_log_prob, adv, update_actor, ...
             out[f"timing/{phase}_s"] = v
+    # verl's agent-loop timings per episode → the local trainer's per-episode means
+    for ours, theirs in (("generate", "generate_sequences"), ("tools", "tool_calls"), ("reward", "compute_score")):
+        if f"timing_s/agent_loop/{theirs}/mean" in out:
+            out[f"timing/episode_{ours}_s"] = out[f"timing_s/agent_loop/{theirs}/mean"]
     acc = [v for k, v in out.items() if k.startswith("val-core/") and "/acc/mean@" in k]
     if acc:
         out["val/accuracy"] = acc[0]

@@ -426,6 +426,10 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
         if not has_accelerator():
             raise ConfigError("trainer.device=cuda but torch sees no GPU here (trainer.device=auto runs verl's "
                               "CPU profile on a machine without one; verl.dry_run=true prints the GPU command)")
+    if device == "cpu" and cfg.rollout.name == "sglang":
+        raise ConfigError("rollout.name=sglang needs a GPU (sglang publishes no CPU build); on a CPU machine verl's "
+                          "rollout is vLLM-CPU (rollout.name=vllm, the default); verl.dry_run=true trainer.device=cuda "
+                          "prints the sglang command for a GPU machine")
     _check_tools(cfg)
     vcfg = compose_verl_config(cfg, overrides, cpu=device == "cpu")
     env: dict[str, str] = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true")}

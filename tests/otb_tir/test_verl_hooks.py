@@ -1,0 +1,119 @@
+"""otb_tir.verl.hooks on verl's own classes (no Ray): the batch-contract check on a batch that
+verl's ``compute_advantage`` filled with our TIR-OTB, its failures on broken batches, and the
+metric names the verl run shares with the local trainer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("verl")
+
+from otb_tir.verl.hooks import ContractError, batch_metrics, check_contract, translate_metrics  # noqa: E402
+
+
+def _batch(seed: int, groups: int = 3, n: int = 4, T: int = 24, P: int = 6):
+    """Multi-turn rows: policy span, a tool-response span (mask 0, attended), policy span, padding;
+    the reward on each row's last policy token."""
+    from verl import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    bs = groups * n
+    response_mask = torch.zeros(bs, T)
+    attention = torch.zeros(bs, P + T)
+    attention[:, :P] = 1
+    rewards = torch.zeros(bs, T)
+    for i in range(bs):
+        a = int(torch.randint(2, 6, (1,), generator=g))
+        tool = int(torch.randint(1, 5, (1,), generator=g))
+        b = int(torch.randint(1, 6, (1,), generator=g))
+        length = a + tool + b
+        response_mask[i, :a] = 1
+        response_mask[i, a + tool:length] = 1
+        attention[i, P:P + length] = 1
+        rewards[i, length - 1] = float(torch.randint(0, 2, (1,), generator=g))
+    uid = np.array([f"g{i // n}" for i in range(bs)], dtype=object)
+    old_log_probs = -torch.rand(bs, T, generator=g) * 2 * response_mask
+    sum_pi_squared = (torch.rand(bs, T, generator=g) * 0.9 + 0.05) * response_mask
+    batch = {"responses": torch.zeros(bs, T, dtype=torch.long), "attention_mask": attention,
+             "response_mask": response_mask, "token_level_rewards": rewards, "token_level_scores": rewards.clone(),
+             "old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
+    return DataProto.from_dict(tensors=batch, non_tensors={"uid": uid})
+
+
+def _advantage(data, name="tir_optimal_token_baseline"):
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo import ray_trainer
+
+    from otb_tir.verl import plugin
+
+    originals = plugin.install()
+    data = ray_trainer.compute_advantage(data, adv_estimator=name, config=AlgoConfig())
+    return data, originals[name]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_verls_batch_with_our_tir_otb_keeps_the_contract_and_matches_verls_estimator(seed):
+    data, verl_fn = _advantage(_batch(seed))
+    figures = check_contract(data, "tir_optimal_token_baseline", verl_fn)
+    assert figures["contract/tool_tokens"] > 0 and figures["contract/tool_token_adv_max_abs"] == 0.0
+    assert figures["contract/reward_off_last_policy_token"] == 0.0
+    assert figures["contract/adv_max_abs_diff_vs_verl"] <= 1e-6
+    if figures["contract/informative_groups"]:
+        assert figures["contract/informative_policy_adv_nonzero_frac"] > 0.0
+
+
+def test_a_broken_batch_stops_the_run_naming_what_broke():
+    data, verl_fn = _advantage(_batch(1))
+    b = data.batch
+    tool = (b["attention_mask"][:, -b["responses"].shape[1]:] == 1) & (b["response_mask"] == 0)
+    bad = data[:]  # a copy
+    bad.batch["advantages"] = b["advantages"].clone()
+    bad.batch["advantages"][tool] = 0.25
+    with pytest.raises(ContractError, match="tool tokens carry advantages"):
+        check_contract(bad, "tir_optimal_token_baseline", None)
+    moved = data[:]
+    moved.batch["token_level_rewards"] = torch.roll(b["token_level_rewards"], shifts=-1, dims=1)
+    moved.batch["token_level_rewards"][:, -1] = 0
+    if moved.batch["token_level_rewards"].abs().sum():
+        with pytest.raises(ContractError, match="not on the last policy token"):
+            check_contract(moved, "tir_optimal_token_baseline", None)
+    off = data[:]
+    off.batch["advantages"] = b["advantages"] * 1.01
+    with pytest.raises(ContractError, match="differs from verl's"):
+        check_contract(off, "tir_optimal_token_baseline", verl_fn)
+
+
+def test_batch_metrics_pool_the_agent_loops_counts_with_the_local_definition():
+    from types import SimpleNamespace
+
+    from agent_env.tool_metrics import COUNT_KEYS, episode_counts, tool_metrics
+
+    data, _ = _advantage(_batch(2, groups=1, n=3))
+
+    def call(ok, executed=True, error=None):
+        return SimpleNamespace(ok=ok, executed=executed, error=error, text="", infra_retries=0)
+
+    trajs = [SimpleNamespace(turns=[SimpleNamespace(tool_calls=calls)], tool_errors=sum(not c.ok and c.executed for c in calls),
+                             malformed_calls=0)
+             for calls in ([call(True), call(False, error="timeout")], [], [call(False, executed=False)])]
+    for key in COUNT_KEYS:
+        data.non_tensor_batch[f"tool_{key}"] = np.array([episode_counts(t)[key] for t in trajs])
+    data.non_tensor_batch["tool_rewards"] = np.array([[], [], []], dtype=object)  # verl's own field, not a count
+    mine = batch_metrics(data)
+    for k, v in tool_metrics(trajs).items():
+        assert mine[k] == pytest.approx(v, nan_ok=True), k
+    assert mine["reward/mean"] == pytest.approx(float(data.batch["token_level_scores"].sum(-1).mean()))
+
+
+def test_verl_metric_names_map_to_the_local_trainers():
+    m = translate_metrics({"timing_s/gen": 1.5, "timing_s/update_weights": 0.1, "timing_s/agent_loop/x/min": 3,
+                           "val-core/otb_tir/arith/acc/mean@1": 0.4, "actor/pg_clipfrac": 0.1, "text": "skip",
+                           "timing_s/agent_loop/tool_calls/mean": 0.2})
+    assert m["timing/gen_s"] == 1.5 and m["timing/update_weights_s"] == 0.1 and "timing/agent_loop/x/min_s" not in m
+    assert m["timing/episode_tools_s"] == 0.2
+    assert m["val/accuracy"] == 0.4 and m["actor/clip_frac"] == 0.1 and "text" not in m
