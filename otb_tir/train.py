@@ -43,9 +43,17 @@ def main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
         if cfg.trainer.name == "verl":
-            from otb_tir.verl.launch import run_verl
+            from otb_tir.verl.launch import VerlRunError, run_verl
 
-            run_verl(cfg)
+            try:
+                summary = run_verl(cfg)
+            except VerlRunError as e:
+                print(f"verl run failed: {e}", file=sys.stderr)
+                return 1
+            if summary is not None:
+                print(json.dumps({k: summary.get(k) for k in ("before", "after", "wall_time_s")}, indent=2))
+                print(f"run folder: {cfg.trainer.output_dir} (summary.json, metrics.jsonl, curves.png, tensorboard/, "
+                      "verl_config.yaml, verl.log)")
             return 0
         from otb_tir.trainer.run import run
 

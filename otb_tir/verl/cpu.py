@@ -63,7 +63,7 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_FLAG", "PATCHES", "PlatformCPU", "after_import", "apply", "applied", "cpu_env", "cpu_overrides", "has_accelerator"]
+__all__ = ["ENV_FLAG", "PATCHES", "after_import", "apply", "applied", "cpu_env", "cpu_overrides", "has_accelerator"]
 
 ENV_FLAG = "OTB_TIR_VERL_CPU"
 MODULE = __name__
@@ -279,7 +279,7 @@ def _platform_class() -> type:
     return PlatformCPU
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: classes that need verl/vLLM are built on first use
+def __getattr__(name: str) -> Any:  # PEP 562: PlatformCPU / CPUWorkerExtension, built on first use (they need verl)
     if name == "PlatformCPU":
         return _cached("PlatformCPU", _platform_class)
     if name == "CPUWorkerExtension":

@@ -223,6 +223,8 @@ def install(output_dir: str | Path, loggers: list[str] | None = None) -> Progres
 
     @contextlib.contextmanager
     def marked_timer(name: str, timing_raw: dict, *args: Any, **kwargs: Any):
+        if name == "step":  # a training step begins: the one after the last step logged
+            progress.step += 1
         with progress.phase(name), original_timer(name, timing_raw, *args, **kwargs):
             yield
 

@@ -28,10 +28,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OTBTaskRunner", "OTBTaskRunnerImpl"]
 
-# `TaskRunner` is a Ray ActorClass. The class Ray keeps (`__ray_actor_class__`) is a copy, not a
-# subclass, of the one verl wrote, so subclassing it breaks the zero-argument `super()` in its
-# `__init__` ("super(type, obj): obj must be an instance or subtype of type"). We subclass verl's
-# `BaseTaskRunner` (what TaskRunner.__init__ initializes) and call TaskRunner's `run` on ourselves.
+# verl's module binds the name `TaskRunner` to the Ray ActorClass, so a subclass of the class it
+# wraps reaches the Ray worker with that base class pickled by value: a copy, on which the
+# zero-argument `super()` of its `__init__` fails ("super(type, obj): obj must be an instance or
+# subtype of type"; seen on the first real run). We subclass verl's `BaseTaskRunner` (all that
+# TaskRunner.__init__ initializes) and call TaskRunner's `run` on ourselves.
 _verl_run = _VerlTaskRunnerActor.__ray_actor_class__.run
 
 
