@@ -12,7 +12,8 @@ the last traceback, when
   and the child has printed nothing for ``error_grace_s`` (``<= 0`` turns this rule off),
 
 and also when the child exits non-zero. The exit after verl's last step is given
-``teardown_timeout_s``; a child still alive then is stopped and the run counts as finished.
+``teardown_timeout_s``; a child still alive then is stopped and the run counts as finished. If the
+launcher itself is killed, the child is signalled too (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """The child gets SIGTERM when the launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``);
+    Ray's processes share the child's fate, so a killed launcher leaves no Ray cluster behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def _last_traceback(lines: Sequence[str]) -> str:
     text = [_ANSI.sub("", x) for x in lines]
     starts = [i for i, x in enumerate(text) if "Traceback (most recent call last)" in x]
@@ -82,7 +94,7 @@ def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, 
     log = open(log_path, "w", buffering=1)
     proc = subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def pump() -> None:
         assert proc.stdout is not None

@@ -107,3 +107,29 @@ def test_a_finished_trainer_whose_exit_hangs_counts_as_finished(tmp_path):
         time.sleep(600)
         ''')
     _watch(tmp_path, argv, teardown_timeout_s=1)
+
+
+def test_a_killed_launcher_takes_verl_down_with_it(tmp_path):
+    """kill -9 of the process running the watchdog: the child (verl's driver, which Ray's
+    processes follow) is signalled and exits instead of training on, orphaned."""
+    import signal
+    import subprocess
+
+    argv = _child(tmp_path, '''
+        open(progress + ".pid", "w").write(str(os.getpid()))
+        phase("gen", step=1)
+        time.sleep(600)
+        ''')
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import sys, os; from pathlib import Path; from otb_tir.verl.watchdog import run_watched; "
+        f"run_watched({argv!r}, env=dict(os.environ), log_path=Path({str(tmp_path / 'verl.log')!r}), "
+        f"progress_path=Path({str(tmp_path / 'progress.json')!r}), phase_timeout_s=600, error_grace_s=600, echo=False)")])
+    pid_file = tmp_path / "progress.json.pid"
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=30)
+    assert _gone(child)
