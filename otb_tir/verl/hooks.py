@@ -203,7 +203,7 @@ def translate_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def install(output_dir: str | Path, loggers: list[str] | None = None) -> Progress:
+def install(output_dir: str | Path, loggers: list[str] | None = None, resume: bool = False) -> Progress:
     """Wrap verl's trainer functions in this process (see the module docstring)."""
     from verl.trainer.ppo import ray_trainer as rt
     from verl.utils import tracking
@@ -214,8 +214,8 @@ def install(output_dir: str | Path, loggers: list[str] | None = None) -> Progres
     out = Path(output_dir)
     progress = Progress(out / "progress.json")
     progress.write("init")
-    sink = MetricsLogger(out, loggers=[x for x in (loggers or ["jsonl", "tensorboard"]) if x != "console"],
-                         plot_every=1)
+    chosen = ["jsonl", "tensorboard"] if loggers is None else list(loggers)
+    sink = MetricsLogger(out, loggers=sorted({"jsonl", *chosen} - {"console"}), plot_every=1, resume=resume)
     verl_originals = plugin.install()
     pending: dict[str, float] = {}
 

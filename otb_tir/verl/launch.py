@@ -18,9 +18,14 @@ hydra's compose API (as ``verl.trainer.main_ppo`` does) and sets, from our confi
 * ``trainer.use_v1=False``: verl 0.9.1's v1 trainer never fetches ``sum_pi_squared`` into its
   advantage batch, so OTB only works on the (RayPPOTrainer) v0 trainer.
 
-``run_verl(cfg)`` validates the result with verl's ``validate_config`` and calls verl's
-``run_ppo`` with :class:`otb_tir.verl.task_runner.OTBTaskRunner`, which installs the plugin in the
-Ray actor that computes advantages before training starts.
+``prepare_verl(cfg)`` validates the result with verl's ``validate_config`` and writes it to
+``<output_dir>/verl_config.yaml``; without an accelerator it adds the CPU profile of
+:mod:`otb_tir.verl.cpu`. ``run_verl(cfg)`` then runs ``python -m otb_tir.verl.launch
+verl_config.yaml`` (:func:`main`: verl's ``run_ppo`` with
+:class:`otb_tir.verl.task_runner.OTBTaskRunner`, which installs our estimators and
+:mod:`otb_tir.verl.hooks` in the Ray actor that computes advantages) as a child process under
+:mod:`otb_tir.verl.watchdog`, and writes ``summary.json``. ``verl.dry_run=true`` stops after
+printing the command.
 
 Extra verl settings (any key of verl's ``ppo_trainer`` config the recipe does not model) come from
 ``cfg.verl.overrides`` (the recipe's ``verl.overrides=[...]`` or ``verl.<verl key>=value``) and then
@@ -359,7 +364,9 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         current = runtime_env.get("env_vars")
         env_vars = dict(OmegaConf.to_container(current)) if current is not None else {}
         env_vars["OTB_TIR_OUTPUT_DIR"] = str(out)  # read by otb_tir.verl.task_runner (hooks, metrics files)
-        env_vars["OTB_TIR_LOGGERS"] = ",".join(name for name in cfg.trainer.loggers if name in ("jsonl", "tensorboard"))
+        # metrics.jsonl always (summary.json and the step count are read from it), TensorBoard when asked
+        env_vars["OTB_TIR_LOGGERS"] = "jsonl,tensorboard" if "tensorboard" in cfg.trainer.loggers else "jsonl"
+        env_vars["OTB_TIR_RESUME"] = "1" if cfg.trainer.resume else "0"  # a resumed run appends to metrics.jsonl
         runtime_env["env_vars"] = env_vars
     _apply_user_overrides(v, parsed)
     return v
@@ -439,6 +446,10 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
         env.update(cpu.cpu_env())
         with open_dict(vcfg):
             vcfg.ray_kwargs.ray_init.runtime_env.env_vars.update(env)
+    else:
+        from verl.utils.device import auto_set_device
+
+        auto_set_device(vcfg)  # cuda, or npu on Ascend (verl's own detection)
     validate_verl_config(vcfg)
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
     config_path = out / "verl_config.yaml"

@@ -52,7 +52,7 @@ class OTBTaskRunnerImpl(BaseTaskRunner):
             from otb_tir.verl import hooks
 
             loggers = [x for x in os.environ.get("OTB_TIR_LOGGERS", "jsonl,tensorboard").split(",") if x]
-            hooks.install(out, loggers)
+            hooks.install(out, loggers, resume=os.environ.get("OTB_TIR_RESUME") == "1")
         return _verl_run(self, config)
 
 
