@@ -109,6 +109,9 @@ def cpu_overrides(*, max_model_len: int, num_cpus: int | None = None) -> dict[st
     return {
         "trainer.device": "cpu",
         "+ray_kwargs.ray_init.num_gpus": 4,  # logical GPUs: verl's resource pools count Ray "GPU"s
+        # a Ray cluster of its own: without an address ray.init() joins any Ray cluster already running on
+        # the machine (another run's, with other environment variables and code)
+        "+ray_kwargs.ray_init.address": "local",
         "ray_kwargs.ray_init.num_cpus": int(num_cpus or max(8, os.cpu_count() or 2)),
         "actor_rollout_ref.actor.strategy": "fsdp2",
         "actor_rollout_ref.actor.fsdp_config.strategy": "fsdp2",

@@ -99,6 +99,7 @@ def test_the_readme_verl_command_trains_two_steps_and_writes_what_the_local_trai
     assert v.algorithm.adv_estimator == "tir_optimal_token_baseline" and v.trainer.use_v1 is False
     assert v.actor_rollout_ref.actor.calculate_sum_pi_squared is True
     assert v.actor_rollout_ref.rollout.name == "vllm" and v.trainer.device == "cpu"
+    assert v.ray_kwargs.ray_init.address == "local"
     assert v.actor_rollout_ref.rollout.agent.default_agent_loop == "otb_tir_agent"
 
 
@@ -117,14 +118,18 @@ def test_weight_sync_takes_effect(verl_python, tmp_path):
     """At a high learning rate the rollout engine must serve the updated policy: verl's
     rollout/actor probability correlation at step 2 stays high with the sync, and drops when the
     vLLM worker skips loading the post-update weights (tests/support/verl_faults.py)."""
-    high_lr = [*SMALL, "actor.optim.lr=0.1"]
+    # 8 prompts x 4 samples: step 1 must update the actor (a batch whose groups all have equal
+    # rewards has zero advantages and leaves nothing to sync; with 2 prompts that happened in CI)
+    high_lr = [*SMALL, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.optim.lr=0.1"]
     fault_env = {"VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults", "PYTHONPATH": str(REPO)}
     corr = {}
     for name, env in (("synced", {}), ("skipped", {**fault_env, "OTB_TIR_VERL_FAULT": "skip_post_update_sync"})):
         out = tmp_path / name
         proc = _train(verl_python, tmp_path, out, *high_lr, env=env)
         assert proc.returncode == 0, proc.stderr[-6000:]
-        corr[name] = _steps(out)[2]["training/rollout_actor_probs_pearson_corr"]
+        steps = _steps(out)
+        assert steps[1]["actor/grad_norm"] > 0, f"{name}: step 1 did not update the actor, nothing to sync"
+        corr[name] = steps[2]["training/rollout_actor_probs_pearson_corr"]
     assert corr["synced"] >= 0.9, corr
     assert corr["skipped"] < 0.9, corr
 

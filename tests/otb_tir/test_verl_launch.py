@@ -96,6 +96,27 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     assert Path(v.reward.custom_reward_function.path).is_file()
 
 
+def test_the_cpu_profile_is_what_a_machine_without_an_accelerator_gets(tiny_model_dir, tmp_path):
+    from otb_tir.verl.cpu import ENV_FLAG, cpu_overrides
+    from otb_tir.verl.launch import compose_verl_config, prepare_verl
+
+    cfg = _cfg(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1")
+    v = compose_verl_config(cfg)
+    for key, value in cpu_overrides(max_model_len=1).items():
+        if key.endswith("max_model_len"):
+            continue
+        assert OmegaConf.select(v, key.lstrip("+")) == value, key
+    assert v.ray_kwargs.ray_init.address == "local"  # never another run's Ray cluster
+    assert v.trainer.device == "cpu" and v.actor_rollout_ref.rollout.enable_sleep_mode is False
+    info = prepare_verl(cfg)
+    assert info["device"] == "cpu" and info["env"][ENV_FLAG] == "1" and info["env"]["VERL_PLATFORM"] == "cpu"
+    assert "otb_tir.verl.cpu" in info["env"]["VERL_USE_EXTERNAL_MODULES"].split(",")
+    saved = OmegaConf.load(info["verl_config"])
+    assert saved.ray_kwargs.ray_init.runtime_env.env_vars[ENV_FLAG] == "1"  # the Ray workers get it too
+    with pytest.raises(ConfigError, match="sglang needs a GPU"):
+        prepare_verl(_cfg(tiny_model_dir, tmp_path, "trainer.device=cpu", "rollout.name=sglang"))
+
+
 def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
     from otb_tir.verl.launch import compose_verl_config, validate_verl_config
 
