@@ -102,7 +102,8 @@ def calls_of(traj: Any) -> list[Any]:
 
 
 def call_counts(traj: Any) -> dict[str, Any]:
-    """``{"calls", "ok", "failed", "not_executed", "executed", "kinds": Counter}`` of one trajectory."""
+    """``{"calls", "ok", "failed", "not_executed", "executed", "executed_ok", "infra_retries", "kinds": Counter}``
+    of one trajectory."""
     calls = calls_of(traj)
     kinds = Counter(classify_call(c) for c in calls)
     kinds.pop(None, 0)
@@ -110,7 +111,7 @@ def call_counts(traj: Any) -> dict[str, Any]:
     not_executed = kinds.pop("not_executed", 0)
     return {"calls": len(calls), "ok": ok, "failed": len(calls) - ok - not_executed, "not_executed": not_executed,
             "executed": sum(bool(c.executed) for c in calls), "executed_ok": sum(bool(c.executed and c.ok) for c in calls),
-            "kinds": kinds}
+            "infra_retries": sum(getattr(c, "infra_retries", 0) for c in calls), "kinds": kinds}
 
 
 #: the keys of :func:`episode_counts`
@@ -122,10 +123,7 @@ def episode_counts(traj: Any) -> dict[str, float]:
     """One trajectory's tool-use counts as flat numbers (a row of a verl batch's reward extra info);
     :func:`pooled_tool_metrics` turns rows of them into the figures."""
     c = call_counts(traj)
-    calls = calls_of(traj)
-    row = {"calls": c["calls"], "ok": c["ok"], "failed": c["failed"], "not_executed": c["not_executed"],
-           "executed": c["executed"], "executed_ok": c["executed_ok"], "errors": traj.tool_errors,
-           "malformed": traj.malformed_calls, "infra_retries": sum(getattr(x, "infra_retries", 0) for x in calls)}
+    row = {**{k: v for k, v in c.items() if k != "kinds"}, "errors": traj.tool_errors, "malformed": traj.malformed_calls}
     for kind in ERROR_KINDS:
         if kind != "not_executed":
             row[f"kind_{kind}"] = c["kinds"].get(kind, 0)

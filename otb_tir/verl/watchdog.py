@@ -44,20 +44,22 @@ def _read_progress(path: Path) -> dict | None:
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            # Ray's own processes (raylet, workers) are in the group too: make sure none is left
-            if sig == signal.SIGTERM:
-                time.sleep(0.5)
-                continue
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM to the child's process group, then SIGKILL to whatever of it is left (Ray's raylet and
+    workers are in the group too)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    time.sleep(0.5)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
