@@ -11,7 +11,9 @@ the last traceback, when
 * a traceback appeared in the output, and since then the phase it appeared in has not finished
   and the child has printed nothing for ``error_grace_s`` (``<= 0`` turns this rule off),
 
-and also when the child exits non-zero. The exit after verl's last step is given
+and also when the child exits non-zero. Whatever stopped the run, the error names the phase the
+last traceback appeared in (a sync that fails in one phase can leave the next one hanging). The
+exit after verl's last step is given
 ``teardown_timeout_s``; a child still alive then is stopped and the run counts as finished. If the
 launcher itself is killed, the child is signalled too (``PR_SET_PDEATHSIG``).
 """
@@ -90,7 +92,8 @@ def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress_path.unlink(missing_ok=True)
     tail: deque[str] = deque(maxlen=400)
-    error_seen: list[tuple[float, str]] = []  # (when, phase it appeared in)
+    error_seen: list[tuple[float, str]] = []  # (when, phase it appeared in), until that phase finishes
+    last_error: list[tuple[str, int]] = []  # (phase, step) of the latest traceback, for the message
     state: dict = {"phase": "launch", "last_output": time.time()}
     started = time.time()
     log = open(log_path, "w", buffering=1)
@@ -106,11 +109,13 @@ def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, 
                 sys.stdout.write(line)
             tail.append(line.rstrip("\n"))
             state["last_output"] = time.time()
-            if not error_seen and _TRACEBACK.search(line):
+            if _TRACEBACK.search(line):
                 prog = _read_progress(progress_path)
                 phase = prog["phase"] if prog else "launch"
                 if phase != "finished":
-                    error_seen.append((time.time(), phase))
+                    last_error[:] = [(phase, int(prog["step"]) if prog else 0)]
+                    if not error_seen:
+                        error_seen.append((time.time(), phase))
 
     reader = threading.Thread(target=pump, name="verl-output", daemon=True)
     reader.start()
@@ -150,6 +155,9 @@ def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, 
         reader.join(timeout=10)
         log.close()
     if failure:
+        where, step = last_error[0] if last_error else (None, 0)
+        if where is not None and f"phase '{where}'" not in failure:
+            failure += f"; the last traceback appeared earlier, during verl's phase '{where}' (step {step})"
         raise VerlRunError(f"{failure}; the run was stopped. Last traceback (full log: {log_path}):\n"
                            f"{_last_traceback(list(tail))}")
     prog = _read_progress(progress_path)

@@ -19,8 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).with_name("verl_cpu_checks.py")
 # a small run for the checks that need several runs (the README's command is the first test)
+# (and no phase may hang longer than 300 s: the launcher's own watchdog stops it and says where)
 SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4", "eval.before=false",
-         "eval.after=false"]
+         "eval.after=false", "verl.phase_timeout_s=300"]
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +41,21 @@ def _verl_python() -> str:
 
 
 def _train(python: str, cwd: Path, out: Path, *args: str, env: dict | None = None,
-           timeout: int = 1200) -> subprocess.CompletedProcess:
+           timeout: int = 780) -> subprocess.CompletedProcess:
+    """The recipe as a user types it, given ``timeout`` s (under pytest's 900): a run that hangs
+    fails with what it printed, its progress and the end of its verl.log."""
     cmd = [python, str(REPO / "recipes" / "train_tir_math.py"), "trainer=verl", "trainer.total_steps=2",
            f"trainer.output_dir={out}", *args]
-    return subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    try:
+        return subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as e:
+        def text(b) -> str:
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        progress = (out / "progress.json").read_text() if (out / "progress.json").exists() else "no progress.json"
+        log = (out / "verl.log").read_text(errors="replace")[-12000:] if (out / "verl.log").exists() else ""
+        pytest.fail(f"the run did not exit in {timeout} s; progress: {progress}\nstderr:\n{text(e.stderr)[-4000:]}"
+                    f"\nverl.log (end):\n{log}")
 
 
 def _rows(out: Path) -> list[dict]:
@@ -140,7 +151,7 @@ def test_a_failed_weight_sync_stops_the_run_with_its_traceback(verl_python, tmp_
     env = {"VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults", "PYTHONPATH": str(REPO),
            "OTB_TIR_VERL_FAULT": "fail_sync"}
     out = tmp_path / "run"
-    proc = _train(verl_python, tmp_path, out, *SMALL, "verl.error_grace_s=30", env=env, timeout=900)
+    proc = _train(verl_python, tmp_path, out, *SMALL, "verl.error_grace_s=30", env=env)
     assert proc.returncode != 0
     assert "injected fault: the weight sync failed" in proc.stderr
     assert proc.returncode == 1 and "verl run failed:" in proc.stderr and "the run was stopped" in proc.stderr

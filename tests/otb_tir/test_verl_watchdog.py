@@ -89,6 +89,24 @@ def test_a_traceback_in_a_phase_that_then_finishes_is_not_fatal(tmp_path):
     _watch(tmp_path, argv, error_grace_s=2)
 
 
+def test_a_phase_that_hangs_after_an_earlier_error_names_where_the_error_appeared(tmp_path):
+    """A weight sync whose receiver died may return on the trainer's side and leave the next phase
+    waiting on a dead engine: the phase limit stops it, and the error points back at the sync."""
+    argv = _child(tmp_path, '''
+        phase("update_weights", step=1)
+        print("Traceback (most recent call last):\\nRuntimeError: injected fault: the weight sync failed", flush=True)
+        time.sleep(0.5)
+        phase("gen", step=2)
+        time.sleep(600)
+        ''')
+    with pytest.raises(VerlRunError) as err:
+        _watch(tmp_path, argv, phase_timeout_s=2, error_grace_s=600)
+    msg = str(err.value)
+    assert "phase 'gen' (step 2) ran" in msg
+    assert "during verl's phase 'update_weights' (step 1)" in msg
+    assert "injected fault: the weight sync failed" in msg
+
+
 def test_a_non_zero_exit_names_the_failed_phase_and_quotes_the_traceback(tmp_path):
     argv = _child(tmp_path, '''
         with open(progress, "w") as f:
