@@ -34,7 +34,8 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from agent_env import EnvError
@@ -51,33 +52,51 @@ FINISH_REASONS = ("answer", "void_turn", "max_turns", "length", "turn_length", "
 
 
 
-@dataclass
-class EpisodeConfig:
-    """Episode settings (names follow verl's ``multi_turn`` section where the concept is the same).
+# Old field names of EpisodeConfig → verl's (the names of the trainer's config sections).
+_RENAMED = {"parser": "format", "max_response_tokens": "response_length",
+            "max_tool_response_tokens": "max_tool_response_length"}
 
-    ``max_response_tokens`` is R, the total budget of response tokens (sampled + inserted) over all
+
+def _renamed(kwargs: dict[str, Any]) -> dict[str, Any]:
+    for old, new in _RENAMED.items():
+        if old in kwargs:
+            warnings.warn(f"EpisodeConfig({old}=...) is deprecated: use {new}= (verl's name, as in the config)",
+                          DeprecationWarning, stacklevel=3)
+            if new in kwargs:
+                raise EnvError(f"EpisodeConfig got both {old}= (deprecated) and {new}=")
+            kwargs[new] = kwargs.pop(old)
+    return kwargs
+
+
+@dataclass(init=False)
+class EpisodeConfig:
+    """Episode settings, under the names of verl's ``rollout`` / ``rollout.multi_turn`` sections
+    (the trainer's config sections use the same names and defaults; :meth:`from_sections` is the
+    one place that builds an EpisodeConfig from them).
+
+    ``response_length`` is R, the total budget of response tokens (sampled + inserted) over all
     turns, and the width of ``responses`` in the collated batch. ``max_tokens_per_turn`` caps one
-    assistant turn (further capped by what remains of R). ``max_tool_response_tokens`` caps each
+    assistant turn (further capped by what remains of R). ``max_tool_response_length`` caps each
     tool result, measured in tokens of the policy's tokenizer; ``tool_response_truncate_side``
     says which part is *kept*: ``head`` (the beginning), ``tail`` (the end) or ``middle`` (the
     beginning and the end, the middle is cut), with ``truncation_marker`` where text was cut.
     """
 
-    parser: Literal["hermes", "code_block"] = "hermes"
+    format: Literal["hermes", "code_block"] = "hermes"
     # The tool set, for AgentEnv(tools=None): tools.build_tool_set(tools, tool_config, tool_config_path).
     # tools=None: [python, calculator] unless tool_config_path (a verl-style tools YAML) is set.
     tools: list[str] | None = None
     # keyword config per tool name for tools.get_tool, e.g. {"python": {"stateful": True}}
     tool_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     tool_config_path: str | None = None
-    max_assistant_turns: int = 4
-    max_response_tokens: int = 1024
-    max_tokens_per_turn: int = 256
-    max_tool_response_tokens: int = 256
+    max_assistant_turns: int = 3
+    response_length: int = 192
+    max_tokens_per_turn: int = 96
+    max_tool_response_length: int = 48
     tool_response_truncate_side: Literal["head", "tail", "middle"] = "middle"
     truncation_marker: str = "\n...(truncated)...\n"
     max_parallel_calls: int = 4
-    tool_timeout: float | None = 10.0
+    tool_timeout: float | None = 5.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -87,13 +106,34 @@ class EpisodeConfig:
     on_template_mismatch: Literal["record", "error"] = "record"
     reward: RewardConfig = field(default_factory=RewardConfig)
 
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs = _renamed(kwargs)
+        unknown = sorted(set(kwargs) - set(self.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"EpisodeConfig got unknown settings {unknown}")
+        for f in self.__dataclass_fields__.values():
+            if f.name in kwargs:
+                value = kwargs[f.name]
+            elif f.default_factory is not MISSING:  # type: ignore[misc]
+                value = f.default_factory()  # type: ignore[misc]
+            else:
+                value = f.default
+            setattr(self, f.name, value)
+
+    def __getattr__(self, name: str) -> Any:  # the deprecated field names, read
+        if name in _RENAMED:
+            warnings.warn(f"EpisodeConfig.{name} is deprecated: use .{_RENAMED[name]}", DeprecationWarning,
+                          stacklevel=2)
+            return getattr(self, _RENAMED[name])
+        raise AttributeError(name)
+
     def validate(self) -> None:
         def bad(msg: str) -> EnvError:
             return EnvError(f"invalid episode config: {msg}")
 
-        get_parser(self.parser)
-        for name in ("max_assistant_turns", "max_response_tokens", "max_tokens_per_turn",
-                     "max_tool_response_tokens", "max_parallel_calls"):
+        get_parser(self.format)
+        for name in ("max_assistant_turns", "response_length", "max_tokens_per_turn",
+                     "max_tool_response_length", "max_parallel_calls"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(f"{name} must be a positive integer, got {v!r}")
@@ -111,15 +151,15 @@ class EpisodeConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EpisodeConfig":
-        """Build from a plain mapping (e.g. an OmegaConf section); unknown keys are an error."""
-        d = dict(d)
+        """Build from a plain mapping of EpisodeConfig's own fields; unknown keys are an error."""
+        d = _renamed(dict(d))
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
             raise EnvError(f"unknown episode config keys {unknown}; known keys: {sorted(known)}")
         if isinstance(d.get("reward"), Mapping):
             try:
-                d["reward"] = RewardConfig(**d["reward"])
+                d["reward"] = RewardConfig(**_plain(d["reward"]))
             except TypeError as e:
                 raise EnvError(f"bad reward config: {e}") from None
         for key in ("tools", "stop_token_ids", "tool_config", "chat_template_kwargs"):
@@ -128,6 +168,46 @@ class EpisodeConfig:
         cfg = cls(**d)
         cfg.validate()
         return cfg
+
+    @classmethod
+    def from_sections(cls, rollout: Any, multi_turn: Any, reward: Any = None, **overrides: Any) -> "EpisodeConfig":
+        """The episode a config describes, from its sections under verl's names: ``rollout``
+        (``response_length``, ``max_tokens_per_turn``, ``temperature``, ``top_p``, ``top_k``),
+        ``multi_turn`` (``format``, ``max_assistant_turns``, ``max_tool_response_length``,
+        ``tool_response_truncate_side``, ``max_parallel_calls``, and the tool set: ``tools``,
+        ``tool_config``, ``tool_config_path``, ``tool_timeout``) and ``reward`` (RewardConfig's
+        fields). Sections are mappings or attribute objects (OmegaConf, verl's config); a key a
+        section lacks keeps EpisodeConfig's default; ``overrides`` (EpisodeConfig fields) win."""
+        d: dict[str, Any] = {}
+        for section, keys in ((rollout, _ROLLOUT_KEYS), (multi_turn, _MULTI_TURN_KEYS)):
+            d.update({key: _section_get(section, key) for key in keys if _section_has(section, key)})
+        if d.get("tool_config") is None:
+            d.pop("tool_config", None)
+        if reward is not None:
+            d["reward"] = {k: _plain(v) for k, v in _section_items(reward)}
+        d.update(overrides)
+        return cls.from_dict(d)
+
+
+_ROLLOUT_KEYS = ("response_length", "max_tokens_per_turn", "temperature", "top_p", "top_k")
+_MULTI_TURN_KEYS = ("format", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
+                    "max_parallel_calls", "tools", "tool_config", "tool_config_path", "tool_timeout")
+
+
+def _section_has(section: Any, key: str) -> bool:
+    if isinstance(section, Mapping) or hasattr(section, "keys"):  # dicts, OmegaConf DictConfig
+        return key in section
+    return hasattr(section, key)
+
+
+def _section_get(section: Any, key: str) -> Any:
+    return section[key] if isinstance(section, Mapping) or hasattr(section, "keys") else getattr(section, key)
+
+
+def _section_items(section: Any) -> list[tuple[str, Any]]:
+    if hasattr(section, "items"):
+        return [(str(k), v) for k, v in section.items()]
+    return list(vars(section).items())
 
 
 @dataclass
@@ -250,7 +330,7 @@ class AgentEnv:
         self.config = config or EpisodeConfig()
         self.config.validate()
         self.tokenizer = tokenizer
-        self.parser = get_parser(self.config.parser)
+        self.parser = get_parser(self.config.format)
         self._owns_tools = tools is None
         if tools is None:
             from tools import ToolError, build_tool_set
@@ -265,7 +345,7 @@ class AgentEnv:
             self.tools = dict(tools)
         else:
             self.tools = {t.name: t for t in tools}
-        if self.config.parser == "code_block" and "python" not in self.tools:
+        if self.config.format == "code_block" and "python" not in self.tools:
             raise EnvError("the code_block parser runs code with the 'python' tool, which is not among "
                            f"the episode's tools {sorted(self.tools)}")
         self.reward_fn = reward_fn
@@ -325,15 +405,15 @@ class AgentEnv:
         return messages
 
     def truncate_tool_text(self, text: str) -> tuple[str, bool, int]:
-        """``(text, truncated, n_tokens)``: cut ``text`` to ``max_tool_response_tokens`` tokens
+        """``(text, truncated, n_tokens)``: cut ``text`` to ``max_tool_response_length`` tokens
         (marker included), keeping the configured side."""
         cfg = self.config
         ids = self.encode(text)
         n = len(ids)
-        if n <= cfg.max_tool_response_tokens:
+        if n <= cfg.max_tool_response_length:
             return text, False, n
         marker = cfg.truncation_marker
-        keep = max(cfg.max_tool_response_tokens - len(self.encode(marker)), 0)
+        keep = max(cfg.max_tool_response_length - len(self.encode(marker)), 0)
 
         def build(keep: int) -> str:
             if cfg.tool_response_truncate_side == "head":
@@ -347,7 +427,7 @@ class AgentEnv:
         out = build(keep)
         # Re-tokenizing at the cut (or a split multi-byte character) can cost a token or two:
         # shrink until the text really fits.
-        while keep > 0 and len(self.encode(out)) > cfg.max_tool_response_tokens:
+        while keep > 0 and len(self.encode(out)) > cfg.max_tool_response_length:
             keep -= 1
             out = build(keep)
         return out, True, n
@@ -423,7 +503,7 @@ class AgentEnv:
         finish = "max_turns"
         used_tools: set[str] = set()
         sem = asyncio.Semaphore(cfg.max_parallel_calls)
-        R = cfg.max_response_tokens
+        R = cfg.response_length
         try:
             for t in range(cfg.max_assistant_turns):
                 remaining = R - len(resp)

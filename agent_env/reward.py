@@ -45,11 +45,11 @@ class RewardConfig:
     ``correct_reward`` / ``incorrect_reward`` are the base values.
     """
 
-    correct_reward: float = 1.0
-    incorrect_reward: float = 0.0
-    format_bonus: float = 0.0
-    tool_use_bonus: float = 0.0
-    timeout_seconds: int = 5
+    correct_reward: float = 1.0  # reward of a correct final answer
+    incorrect_reward: float = 0.0  # reward of a wrong or missing answer
+    format_bonus: float = 0.0  # added when a final answer could be extracted at all (even a wrong one)
+    tool_use_bonus: float = 0.0  # added when at least one tool call succeeded
+    timeout_seconds: int = 5  # wall-clock bound on grading one answer (math-verify / sympy)
 
 
 @dataclass

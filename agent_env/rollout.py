@@ -15,7 +15,7 @@ batches the concurrent generate calls into shared forward passes). The result is
 - the per-episode :class:`~agent_env.episode.Trajectory` records and aggregate ``stats``.
 
 Rows are ordered prompt-major: row ``i*n + j`` is sample ``j`` of prompt ``i``.
-R is ``EpisodeConfig.max_response_tokens`` (the whole multi-turn budget, ``pad_to="budget"``,
+R is ``EpisodeConfig.response_length`` (the whole multi-turn budget, ``pad_to="budget"``,
 the default, so every batch has the same width) or the longest response present
 (``pad_to="longest"``, at least 1). A zero-length response (an engine that returned nothing) is a
 row of padding with ``attention_mask`` 0 there and no reward position; its reward is still in
@@ -227,7 +227,7 @@ async def rollout_async(
     if pad_id is None:
         pad_id = env.stop_ids[0]
     batch = collate(trajs, pad_token_id=pad_id,
-                    response_length=env.config.max_response_tokens if pad_to == "budget" else None)
+                    response_length=env.config.response_length if pad_to == "budget" else None)
     sampled = sum(sum(t.response_mask) for t in trajs)
     batch.stats = {
         "wall_s": wall, "episodes": float(len(trajs)), "sampled_tokens": float(sampled),

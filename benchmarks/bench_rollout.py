@@ -102,7 +102,7 @@ async def run_engine(kind: str, args) -> dict[str, float]:
     eng = ThinkThenAct(base, tok, args.think)
     tool_list = [tools.get_tool("python", workers=args.workers), tools.get_tool("calculator")]
     cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=args.think + 64,
-                        max_response_tokens=3 * (args.think + 64) + 256, temperature=1.0)
+                        response_length=3 * (args.think + 64) + 256, temperature=1.0)
     env = AgentEnv(tok, tool_list, cfg)
     prompts = [{"prompt": f"Factor 2^32 + 1 (problem {i}).", "ground_truth": "4294967297"}
                for i in range(args.prompts)]

@@ -146,8 +146,10 @@ def run_check(args) -> dict[str, Any]:
     from agent_env.tiny import tiny_policy_dir
     from otb_tir.trainer.config import load_config
     from otb_tir.trainer.distributed import DistInfo, fsdp_wrap, full_state_dict
-    from otb_tir.trainer.run import build_optimizer, seed_everything
-    from otb_tir.trainer.trainer import Trainer, episode_config
+    from otb_tir.builders import seed_everything
+    from otb_tir.trainer.run import build_optimizer
+    from otb_tir.builders import episode_config
+    from otb_tir.trainer.trainer import Trainer
 
     smoke = args.cpu_smoke
     if smoke:

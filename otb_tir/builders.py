@@ -1,22 +1,70 @@
-"""Builders of what a run assembles from its config, shared by the local trainer, the ``torchrun``
-trainer, the evaluation and the verl launcher (one place per mechanism; recipes wire them).
+"""What a run assembles from its config, shared by the local trainer, the ``torchrun`` trainer, the
+evaluation and the verl launcher; none of them owns it (recipes wire them):
+
+* :func:`policy_path`: the policy folder (``model.path``, or the built-in warm-started tiny policy);
+* :func:`build_tools`: the tool set (``multi_turn``), by :func:`tools.build_tool_set`;
+* :func:`episode_config`: agent_env's episode settings from the ``rollout``, ``multi_turn`` and
+  ``reward`` sections (:meth:`agent_env.EpisodeConfig.from_sections`, the one translation);
+* :func:`resolve_device`, :func:`seed_everything`.
 """
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
 from typing import Any
 
 from otb_tir import ConfigError
 
-__all__ = ["build_tools"]
+__all__ = ["build_tools", "episode_config", "policy_path", "resolve_device", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> Any:
+    """``auto`` → CUDA when there is one, else CPU; ``cuda`` without a GPU is a ConfigError."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def policy_path(cfg: Any) -> Path:
+    """``model.path`` (a local Hugging Face model folder), or the built-in tiny policy after its
+    (cached) SFT warm start."""
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
+        return path
+    from otb_tir.trainer.warm_start import warm_start_policy
+
+    return Path(warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps,
+                                  seed=0))
+
+
+def episode_config(cfg: Any, **overrides: Any) -> Any:
+    """agent_env's :class:`~agent_env.EpisodeConfig` from the run's ``rollout``, ``multi_turn`` and
+    ``reward`` sections (verl's names), ``overrides`` (e.g. ``temperature``) applied last."""
+    from agent_env import EpisodeConfig
+
+    return EpisodeConfig.from_sections(cfg.rollout, cfg.multi_turn, cfg.reward, **overrides)
 
 
 def build_tools(cfg: Any) -> Any:
     """The run's :class:`tools.ToolSet` from ``cfg.multi_turn`` (``tools``, ``tool_config``,
     ``tool_config_path``), by :func:`tools.build_tool_set`. A set with no tools, a tool that does
     not load, a bad config key or schema is a :class:`ConfigError` naming the tool and the reason."""
-    from pathlib import Path
-
     from tools import ToolError, build_tool_set
 
     mt = cfg.multi_turn

@@ -1,4 +1,6 @@
-"""Training metrics for advantages: gradient-variance proxies and summary statistics.
+"""Metrics of a run: of its episodes (:func:`trajectory_metrics`, the figures training, the
+evaluation and ``summary.json`` share) and of its advantages (gradient-variance proxies and
+summary statistics).
 
 The variance proxies (named as verl 0.9.1 logs them, ``variance_proxy/...``) work for any
 advantage estimator; they approximate the squared norm of one trajectory's policy-gradient
@@ -19,11 +21,15 @@ for GRPO on the same batch to compare them.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+import numpy as np
 import torch
 
+from agent_env.tool_metrics import tool_metrics
 from otb_tir import ConfigError
 
-__all__ = ["advantage_stats", "variance_proxy_metrics"]
+__all__ = ["advantage_stats", "summary_figures", "trajectory_metrics", "variance_proxy_metrics"]
 
 _PREFIX = "variance_proxy/"
 
@@ -123,3 +129,40 @@ def advantage_stats(advantages: torch.Tensor, response_mask: torch.Tensor, prefi
     out = {prefix + k: v for k, v in stats.items()}
     out[prefix + "num_tokens"] = float(count)
     return out
+
+
+def trajectory_metrics(trajs: Sequence[Any], prefix: str = "") -> dict[str, float]:
+    """Reward, accuracy, episode and tool-use figures of a set of episodes (the tool figures are
+    :func:`agent_env.tool_metrics.tool_metrics`, the definition the evaluation and verl share)."""
+    if not trajs:
+        return {}
+    n = len(trajs)
+    sampled = np.array([sum(t.response_mask) for t in trajs], dtype=float)
+    total = np.array([len(t.response_ids) for t in trajs], dtype=float)
+    out = {
+        "reward/mean": float(np.mean([t.reward for t in trajs])),
+        "reward/accuracy": float(np.mean([bool(t.reward_details.get("correct", False)) for t in trajs])),
+        **tool_metrics(trajs),
+        "episode/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+        "episode/void_turn_rate": sum(t.void_turns > 0 for t in trajs) / n,
+        "episode/template_mismatch_rate": sum(t.template_mismatch is not None for t in trajs) / n,
+        "response/length_mean": float(total.mean()),
+        "response/policy_tokens_mean": float(sampled.mean()),
+        "response/tool_token_share": float((total - sampled).sum() / max(total.sum(), 1.0)),
+        # per-episode means of where an episode's time went (verl's agent-loop timings, same names)
+        **{f"timing/episode_{k}_s": float(np.mean([t.timings.get(f"{k}_s", 0.0) for t in trajs]))
+           for k in ("generate", "tools", "reward")},
+    }
+    reasons: dict[str, int] = {}
+    for t in trajs:
+        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+    out.update({f"finish/{k}": v / n for k, v in sorted(reasons.items())})
+    return {prefix + k: v for k, v in out.items()}
+
+
+def summary_figures(trajs: Sequence[Any]) -> dict[str, float]:
+    """The before/after figures of ``summary.json``."""
+    m = trajectory_metrics(trajs)
+    return {"accuracy": m["reward/accuracy"], "tool_call_rate": m["tools/call_rate"],
+            "tool_success_rate": m["tools/success_rate"], "mean_turns": m["episode/turns_mean"],
+            "mean_reward": m["reward/mean"], "n": len(trajs)}

@@ -31,7 +31,15 @@ valid choices. `--print-config` prints every key with the value a run would use.
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """field name → the comment on its line (``name: type = default  # comment``)."""
+    """field name → the comment on its line (``name: type = default  # comment``); a field a
+    subclass redefines without a comment keeps its base class's comment."""
+    out: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__ if is_dataclass(c)]):
+        out.update({k: v for k, v in _own_comments(base).items() if v or k not in out})
+    return out
+
+
+def _own_comments(cls: type) -> dict[str, str]:
     src = inspect.getsource(cls)
     lines = src.splitlines()
     out: dict[str, str] = {}
@@ -92,7 +100,7 @@ def render() -> str:
             parts.append(f"\n### `{f.name}`\n")
             doc = (type(sub).__doc__ or "").strip()
             if doc and not doc.startswith(type(sub).__name__ + "("):
-                parts.append(doc.splitlines()[0] + "\n")
+                parts.append(" ".join(doc.split("\n\n")[0].split()) + "\n")  # its first paragraph
             parts.append("\n| key | default | meaning |\n|---|---|---|")
             parts += _section(type(sub), f"{f.name}.", choices)
     return "\n".join(parts).rstrip() + "\n"

@@ -3,7 +3,7 @@
 
 The sections reuse the training config's names where the concept is the same (``model``,
 ``rollout``, ``multi_turn``, ``reward``), so the episode settings come from the same
-:func:`otb_tir.trainer.trainer.episode_config` as training: what is measured is what is trained.
+:func:`otb_tir.builders.episode_config` as training: what is measured is what is trained.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from otb_tir import ConfigError
-from otb_tir.trainer.config import ModelConfig, MultiTurnConfig, RewardConfig, load_config
+from otb_tir.trainer.config import ModelConfig, MultiTurnConfig, RewardConfig, RolloutConfig, load_config
 
 __all__ = ["EvalConfig", "load_eval_config", "EVAL_CHOICES", "DEFAULT_CONFIG"]
 
@@ -29,15 +29,12 @@ class EvalDataConfig:
 
 
 @dataclass
-class EvalRolloutConfig:
+class EvalRolloutConfig(RolloutConfig):
+    """The training ``rollout`` section (same keys and meaning), with the evaluation's defaults and
+    the engine settings a standalone evaluation needs."""
+
     name: str = "hf"  # engine: hf | vllm | sglang
     n: int = 4  # samples per problem
-    temperature: float = 1.0  # sampling temperature (0 = greedy)
-    top_p: float = 1.0  # nucleus sampling (1.0 = off)
-    top_k: int = -1  # top-k sampling (-1 = off)
-    response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
-    max_tokens_per_turn: int = 96  # cap on one assistant turn (within what is left of R)
-    max_batch_size: int = 64  # hf engine: requests decoded together
     device: str = "auto"  # hf engine: auto | cpu | cuda
     dtype: str = "auto"  # hf: float32 when auto; vllm/sglang: the engine default when auto
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to VLLMEngine / SGLangEngine

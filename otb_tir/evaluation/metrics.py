@@ -3,7 +3,7 @@ kinds, turns, void turns, tool-token share, response lengths and finish reasons.
 
 Every figure is a plain float keyed by a flat name (``accuracy/pass@2``, ``tools/call_rate``,
 ``errors/syntax_error``…). The tool-use names shared with training come from
-:func:`otb_tir.trainer.trainer.trajectory_metrics`, so a training curve and an evaluation report
+:func:`otb_tir.metrics.trajectory_metrics`, so a training curve and an evaluation report
 use the same definitions.
 
 Definitions (an *episode* is one sampled trajectory; a *call* is one parsed tool call, malformed or not):
@@ -32,7 +32,7 @@ import numpy as np
 
 from agent_env import Trajectory
 from agent_env.tool_metrics import ERROR_KINDS, SHOWN_ERROR_KINDS, calls_of, classify_call
-from otb_tir.trainer.trainer import trajectory_metrics
+from otb_tir.metrics import trajectory_metrics
 
 __all__ = ["pass_at_k", "classify_call", "ERROR_KINDS", "ISSUE_ERROR_KINDS", "is_correct", "figures",
            "group_figures", "episode_record"]

@@ -84,8 +84,8 @@ def prepare(cfg: DictConfig) -> Prepared:
     """Check every input before any episode runs; bad input raises :class:`ConfigError`."""
     from agent_env import AgentEnv, EnvError
     from otb_tir.builders import build_tools
-    from otb_tir.trainer.run import policy_path
-    from otb_tir.trainer.trainer import episode_config
+    from otb_tir.builders import policy_path
+    from otb_tir.builders import episode_config
 
     items, desc = _load_items(cfg)
     if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
@@ -131,7 +131,7 @@ def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
     kwargs = OmegaConf.to_container(r.engine_kwargs, resolve=True) if r.engine_kwargs else {}
     try:
         if r.name == "hf":
-            from otb_tir.trainer.run import resolve_device
+            from otb_tir.builders import resolve_device
             from agent_env.engines.hf import HFEngine
 
             if kwargs:
@@ -169,8 +169,8 @@ def evaluate(cfg: DictConfig, prepared: Prepared | None = None) -> dict[str, Any
     """Run the evaluation described by ``cfg``; returns the report (also written to ``output.dir``)."""
     from agent_env import AgentEnv
     from otb_tir.evaluation.report import build_report, write_report
-    from otb_tir.trainer.run import seed_everything
-    from otb_tir.trainer.trainer import episode_config
+    from otb_tir.builders import seed_everything
+    from otb_tir.builders import episode_config
 
     t0 = time.perf_counter()
     prep = prepared or prepare(cfg)

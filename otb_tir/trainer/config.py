@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from agent_env.reward import RewardConfig  # the one reward config: the trainer's `reward` section
 from otb_tir import ConfigError
 
 
@@ -41,7 +42,7 @@ class DataConfig:
 class RolloutConfig:
     name: str = "auto"  # auto (hf for trainer=local, vllm for trainer=verl) | hf | vllm | sglang
     n: int = 8  # samples per prompt (the group size of the baselines)
-    temperature: float = 1.0  # sampling temperature of training rollouts (0 = greedy)
+    temperature: float = 1.0  # sampling temperature (0 = greedy)
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
     top_k: int = -1  # top-k sampling (-1 = off)
     response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
@@ -110,15 +111,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RewardConfig:  # agent_env.reward.RewardConfig's shaping terms (off by default)
-    correct_reward: float = 1.0  # reward of a correct final answer
-    incorrect_reward: float = 0.0  # reward of a wrong or missing answer
-    format_bonus: float = 0.0  # added when a final answer could be extracted at all (even a wrong one)
-    tool_use_bonus: float = 0.0  # added when at least one tool call succeeded
-
-
-@dataclass
-class EvalConfig:
+class HeldOutConfig:  # the held-out evaluation before and after training (the `eval` section)
     size: int = 100  # held-out problems
     n: int = 1  # samples per held-out problem
     temperature: float = 0.0  # held-out sampling temperature (0 = greedy)
@@ -171,7 +164,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     verl: VerlConfig = field(default_factory=VerlConfig)
 

@@ -8,32 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from otb_tir import ConfigError
+from otb_tir.builders import policy_path, resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
-    return torch.device(name)
 
 
 def load_items(cfg) -> tuple[list[dict], list[dict]]:
@@ -49,18 +34,6 @@ def load_items(cfg) -> tuple[list[dict], list[dict]]:
     else:
         val = make_split("test", cfg.data.val_size, seed=0)  # the held-out set does not move with the seed
     return train, val[: cfg.eval.size] if cfg.eval.size else val
-
-
-def policy_path(cfg) -> Path:
-    """``model.path``, or the built-in tiny policy after its (cached) SFT warm start."""
-    if cfg.model.path:
-        path = Path(cfg.model.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
-        return path
-    from otb_tir.trainer.warm_start import warm_start_policy
-
-    return warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps, seed=0)
 
 
 def build_optimizer(cfg, model):
@@ -134,7 +107,9 @@ def _run_with_tools(cfg, info, reward_fn, tools, device, t_start: float, out: Pa
     from agent_env import AgentEnv
     from agent_env.engines.hf import HFEngine
     from otb_tir.trainer.distributed import barrier, broadcast_object, fsdp_wrap, full_state_dict
-    from otb_tir.trainer.trainer import Trainer, episode_config, summary_figures
+    from otb_tir.builders import episode_config
+    from otb_tir.metrics import summary_figures
+    from otb_tir.trainer.trainer import Trainer
 
     rank, world = info.rank, info.world_size
     path = policy_path(cfg) if rank == 0 else None

@@ -25,13 +25,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from agent_env import AgentEnv, EpisodeConfig, RolloutBatch, Trajectory, rollout_async
-from agent_env.tool_metrics import tool_metrics
+from agent_env import AgentEnv, RolloutBatch, Trajectory, rollout_async
 from agent_env.rollout import run_sync
-from agent_env.reward import RewardConfig as EnvRewardConfig
 from otb_tir import ConfigError
+from otb_tir.builders import episode_config
 from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
-from otb_tir.metrics import advantage_stats, variance_proxy_metrics
+from otb_tir.metrics import advantage_stats, trajectory_metrics, variance_proxy_metrics
 from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
 from otb_tir.trainer.checkpoint import (load_distributed_state, load_latest, rng_state, save_checkpoint,
                                         save_distributed_checkpoint, set_rng_state)
@@ -41,60 +40,6 @@ from otb_tir.trainer.logging import MetricsLogger
 from otb_tir.trainer.ppo import truncated_is_weights
 
 log = logging.getLogger(__name__)
-
-
-def episode_config(cfg, *, n_override: dict[str, Any] | None = None) -> EpisodeConfig:
-    """agent_env's EpisodeConfig from the trainer config (rollout + multi_turn + reward)."""
-    mt, ro = cfg.multi_turn, cfg.rollout
-    d = dict(
-        parser=mt.format, tools=None if mt.tools is None else list(mt.tools),
-        tool_config={k: dict(v) for k, v in mt.tool_config.items()}, tool_config_path=mt.tool_config_path,
-        max_assistant_turns=mt.max_assistant_turns,
-        max_response_tokens=ro.response_length, max_tokens_per_turn=ro.max_tokens_per_turn,
-        max_tool_response_tokens=mt.max_tool_response_length,
-        tool_response_truncate_side=mt.tool_response_truncate_side, max_parallel_calls=mt.max_parallel_calls,
-        tool_timeout=mt.tool_timeout, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-        reward=EnvRewardConfig(**{k: float(v) for k, v in cfg.reward.items()}),
-    )
-    d.update(n_override or {})
-    return EpisodeConfig(**d)
-
-
-def trajectory_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
-    """Reward, accuracy, episode and tool-use figures of a set of episodes (the tool figures are
-    :func:`agent_env.tool_metrics.tool_metrics`, the definition the evaluation and verl share)."""
-    if not trajs:
-        return {}
-    n = len(trajs)
-    sampled = np.array([sum(t.response_mask) for t in trajs], dtype=float)
-    total = np.array([len(t.response_ids) for t in trajs], dtype=float)
-    out = {
-        "reward/mean": float(np.mean([t.reward for t in trajs])),
-        "reward/accuracy": float(np.mean([bool(t.reward_details.get("correct", False)) for t in trajs])),
-        **tool_metrics(trajs),
-        "episode/turns_mean": float(np.mean([t.num_turns for t in trajs])),
-        "episode/void_turn_rate": sum(t.void_turns > 0 for t in trajs) / n,
-        "episode/template_mismatch_rate": sum(t.template_mismatch is not None for t in trajs) / n,
-        "response/length_mean": float(total.mean()),
-        "response/policy_tokens_mean": float(sampled.mean()),
-        "response/tool_token_share": float((total - sampled).sum() / max(total.sum(), 1.0)),
-        # per-episode means of where an episode's time went (verl's agent-loop timings, same names)
-        **{f"timing/episode_{k}_s": float(np.mean([t.timings.get(f"{k}_s", 0.0) for t in trajs]))
-           for k in ("generate", "tools", "reward")},
-    }
-    reasons: dict[str, int] = {}
-    for t in trajs:
-        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
-    out.update({f"finish/{k}": v / n for k, v in sorted(reasons.items())})
-    return {prefix + k: v for k, v in out.items()}
-
-
-def summary_figures(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """The before/after figures of ``summary.json``."""
-    m = trajectory_metrics(trajs)
-    return {"accuracy": m["reward/accuracy"], "tool_call_rate": m["tools/call_rate"],
-            "tool_success_rate": m["tools/success_rate"], "mean_turns": m["episode/turns_mean"],
-            "mean_reward": m["reward/mean"], "n": len(trajs)}
 
 
 def filter_loss_mask(batch: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
@@ -180,7 +125,7 @@ class Trainer:
         items, offset = shard_items(items, self.rank, self.world)
         ev = self.cfg.eval
         env = AgentEnv(self.env.tokenizer, tools=self.env.tools, config=episode_config(
-            self.cfg, n_override={"temperature": ev.temperature if ev.temperature > 0 else 0.0}))
+            self.cfg, temperature=ev.temperature if ev.temperature > 0 else 0.0))
         self.model.eval()
         local = self._rollout(items, ev.n, seed=10_000_019 + self.cfg.trainer.seed, env=env,
                               offset=offset).trajectories if items else []

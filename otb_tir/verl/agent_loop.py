@@ -52,7 +52,6 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
 
 from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E402
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
-from agent_env.reward import RewardConfig  # noqa: E402
 from agent_env.tool_metrics import COUNT_KEYS, episode_counts  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -138,24 +137,16 @@ def episode_config_from_verl(rollout_config: Any, *, max_tokens_per_turn: int | 
     if mt.format not in ("hermes", "code_block"):
         raise EnvError(f"rollout.multi_turn.format={mt.format!r} is not supported by {AGENT_NAME}: "
                        "use hermes or code_block")
-    cfg = EpisodeConfig(
-        parser=mt.format,
-        tools=None if tools is None else list(tools),
+    # verl's sections carry the same names as ours (agent_env's EpisodeConfig.from_sections reads them);
+    # what verl names differently, lacks, or means otherwise (its multi_turn.tool_config_path is a
+    # file of verl's tools, which this loop does not use) is given here.
+    return EpisodeConfig.from_sections(
+        rollout_config, mt, reward or {},
+        tools=None if tools is None else list(tools), tool_config={}, tool_config_path=None,
         max_assistant_turns=int(mt.max_assistant_turns or 8),
-        max_response_tokens=R,
         max_tokens_per_turn=min(int(max_tokens_per_turn or R), R),
-        max_tool_response_tokens=int(mt.max_tool_response_length),
-        tool_response_truncate_side=side,
-        max_parallel_calls=int(mt.max_parallel_calls),
-        tool_timeout=tool_timeout,
-        # Placeholder: ServerManagerEngine samples with verl's temperature/top-p/top-k.
-        temperature=1.0,
-        system_prompt=system_prompt,
-        chat_template_kwargs=dict(chat_template_kwargs or {}),
-        reward=RewardConfig(**dict(reward or {})),
-    )
-    cfg.validate()
-    return cfg
+        tool_response_truncate_side=side, tool_timeout=tool_timeout, system_prompt=system_prompt,
+        chat_template_kwargs=dict(chat_template_kwargs or {}))
 
 
 # One AgentEnv (and one set of tools: sandbox worker pools) per process, event loop and settings:

@@ -50,6 +50,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
+from otb_tir.builders import policy_path
 from otb_tir.verl import require_verl
 from tools import DEFAULT_TOOLS
 
@@ -205,17 +206,6 @@ def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
     return train, val
 
 
-def _model_path(cfg: DictConfig) -> str:
-    if cfg.model.path:
-        path = Path(cfg.model.path).expanduser().resolve()
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
-        return str(path)
-    from otb_tir.trainer.warm_start import warm_start_policy
-
-    return str(warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps, seed=0))
-
-
 def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
     mt = cfg.multi_turn
     kwargs = {
@@ -251,7 +241,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     train_files, val_files = _data_files(cfg, out)
-    model_path = _model_path(cfg)
+    model_path = str(policy_path(cfg))
     agent_loop_yaml = out / "agent_loop.yaml"
     OmegaConf.save(OmegaConf.create(_agent_loop_entries(cfg)), agent_loop_yaml)
 

@@ -17,6 +17,9 @@ from agent_env.engines.base import GenerationOutput, SamplingParams
 from agent_env.rollout import run_sync
 from tools.base import Tool, ToolResult
 
+# budgets roomy enough for the long scripted turns below (the defaults are the tiny CPU task's)
+ROOMY = dict(response_length=1024, max_tokens_per_turn=256, max_tool_response_length=256)
+
 
 class ScriptedEngine:
     """An Engine test double that "samples" chosen turns: each turn is a string (encoded with the
@@ -224,7 +227,7 @@ class ConcurrencyProbe(Tool):
 @pytest.mark.parametrize("cap", [1, 2, 8])
 def test_calls_in_one_turn_run_concurrently_up_to_the_cap(tiny_tokenizer, cap):
     probe = ConcurrencyProbe()
-    env = AgentEnv(tiny_tokenizer, [probe], EpisodeConfig(max_parallel_calls=cap))
+    env = AgentEnv(tiny_tokenizer, [probe], EpisodeConfig(max_parallel_calls=cap, **ROOMY))
     eng = ScriptedEngine(tiny_tokenizer, ["".join(tc("probe", i=i) for i in range(5)), "\\boxed{0}"])
     traj = run(env, eng)
     assert probe.max_active == min(cap, 5)
@@ -235,7 +238,7 @@ def test_calls_in_one_turn_run_concurrently_up_to_the_cap(tiny_tokenizer, cap):
 
 
 def test_malformed_calls_become_error_observations_and_are_counted(tiny_tokenizer, real_tools):
-    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig())
+    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(**ROOMY))
     bad = ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'  # bad JSON
            + tc("wolfram", query="2+2")                                                 # unknown tool
            + tc("calculator", expr="2+2")                                               # wrong argument
@@ -291,7 +294,7 @@ def test_tool_failures_mid_episode(tiny_tokenizer, real_tools):
 
 
 def test_code_block_parser_episode(tiny_tokenizer, real_tools):
-    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(parser="code_block"))
+    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(format="code_block"))
     eng = ScriptedEngine(tiny_tokenizer, ["Compute:\n```python\nprint(6 * 7)\n```", "So \\boxed{42}."])
     traj = run(env, eng, ground_truth="42")
     assert traj.finish_reason == "answer" and traj.reward == 1.0
@@ -301,7 +304,7 @@ def test_code_block_parser_episode(tiny_tokenizer, real_tools):
 
 def test_code_block_needs_python_tool(tiny_tokenizer, real_tools):
     with pytest.raises(EnvError, match="python"):
-        AgentEnv(tiny_tokenizer, {"calculator": real_tools["calculator"]}, EpisodeConfig(parser="code_block"))
+        AgentEnv(tiny_tokenizer, {"calculator": real_tools["calculator"]}, EpisodeConfig(format="code_block"))
 
 
 # ----------------------------------------------------------------------------- endings and budgets
@@ -329,14 +332,14 @@ def test_max_turns(tiny_tokenizer, real_tools):
 
 def test_per_turn_cap_and_total_budget(tiny_tokenizer, real_tools):
     long_text = "word " * 100
-    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(max_tokens_per_turn=30, max_response_tokens=1000))
+    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(max_tokens_per_turn=30, response_length=1000))
     eng = ScriptedEngine(tiny_tokenizer, [long_text])
     traj = run(env, eng)
     assert traj.finish_reason == "turn_length" and len(traj.response_ids) == 30 and traj.void_turns == 1
     assert eng.calls[0][1].max_tokens == 30
 
     # total budget: the second turn may only use what remains of R
-    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(max_tokens_per_turn=200, max_response_tokens=120))
+    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(max_tokens_per_turn=200, response_length=120))
     eng = ScriptedEngine(tiny_tokenizer, [tc("calculator", expression="1+1"), long_text])
     traj = run(env, eng)
     first_turn_and_obs = traj.turns[0].obs_end
@@ -348,7 +351,7 @@ def test_per_turn_cap_and_total_budget(tiny_tokenizer, real_tools):
 def test_tool_response_overflowing_the_budget_ends_the_episode(tiny_tokenizer, real_tools):
     call = tc("python", code="print('x' * 3000)")
     n_call = len(tiny_tokenizer.encode(call, add_special_tokens=False)) + 1
-    cfg = EpisodeConfig(max_response_tokens=n_call + 20, max_tool_response_tokens=500)
+    cfg = EpisodeConfig(response_length=n_call + 20, max_tool_response_length=500)
     env = AgentEnv(tiny_tokenizer, real_tools, cfg)
     eng = ScriptedEngine(tiny_tokenizer, [call, "\\boxed{1}"])
     traj = run(env, eng)
@@ -359,7 +362,7 @@ def test_tool_response_overflowing_the_budget_ends_the_episode(tiny_tokenizer, r
 
 @pytest.mark.parametrize("side", ["head", "tail", "middle"])
 def test_tool_response_truncation_in_tokens(tiny_tokenizer, real_tools, side):
-    cfg = EpisodeConfig(max_tool_response_tokens=40, tool_response_truncate_side=side, truncation_marker="[cut]")
+    cfg = EpisodeConfig(max_tool_response_length=40, tool_response_truncate_side=side, truncation_marker="[cut]")
     env = AgentEnv(tiny_tokenizer, real_tools, cfg)
     code = "print(''.join(f'<{i}>' for i in range(400)))"
     eng = ScriptedEngine(tiny_tokenizer, [tc("python", code=code), "\\boxed{1}"])
@@ -386,7 +389,7 @@ def test_truncation_property_unicode(tiny_tokenizer):
     @settings(max_examples=30, deadline=None)
     @given(st.text(max_size=300), st.integers(1, 30), st.sampled_from(["head", "tail", "middle"]))
     def check(text, cap, side):
-        env = AgentEnv(tiny_tokenizer, [probe], EpisodeConfig(max_tool_response_tokens=cap,
+        env = AgentEnv(tiny_tokenizer, [probe], EpisodeConfig(max_tool_response_length=cap,
                                                               tool_response_truncate_side=side))
         out, cut, n = env.truncate_tool_text(text)
         assert n == len(tiny_tokenizer.encode(text, add_special_tokens=False))
@@ -461,8 +464,8 @@ def test_non_prefix_preserving_template_raises(tiny_tokenizer, real_tools):
 
 
 def test_configuration_errors(tiny_tokenizer, real_tools):
-    with pytest.raises(EnvError, match="max_response_tokens"):
-        AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(max_response_tokens=0))
+    with pytest.raises(EnvError, match="response_length"):
+        AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(response_length=0))
     with pytest.raises(EnvError, match="tool_response_truncate_side"):
         AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(tool_response_truncate_side="left"))
     with pytest.raises(EnvError, match="unknown episode config keys"):
@@ -505,7 +508,7 @@ def test_token_bookkeeping_property(tiny_tokenizer):
     @settings(max_examples=25, deadline=None)
     @given(st.lists(turn, min_size=1, max_size=4), st.integers(20, 400), st.sampled_from(["head", "tail", "middle"]))
     def check(script, budget, side):
-        cfg = EpisodeConfig(max_response_tokens=budget, max_tokens_per_turn=120, max_tool_response_tokens=30,
+        cfg = EpisodeConfig(response_length=budget, max_tokens_per_turn=120, max_tool_response_length=30,
                             tool_response_truncate_side=side, max_assistant_turns=3)
         env = AgentEnv(tiny_tokenizer, [EchoTool()], cfg)
         eng = ScriptedEngine(tiny_tokenizer, script)
@@ -524,17 +527,52 @@ def test_token_bookkeeping_property(tiny_tokenizer):
 def test_config_from_omegaconf_section():
     from omegaconf import OmegaConf
 
-    section = OmegaConf.create({"parser": "code_block", "tools": ["python"], "max_assistant_turns": 3,
+    section = OmegaConf.create({"format": "code_block", "tools": ["python"], "max_assistant_turns": 3,
                                 "tool_config": {"python": {"stateful": True}},
                                 "reward": {"format_bonus": 0.1}})
     cfg = EpisodeConfig.from_dict(section)
-    assert cfg.parser == "code_block" and cfg.tools == ["python"] and cfg.max_assistant_turns == 3
+    assert cfg.format == "code_block" and cfg.tools == ["python"] and cfg.max_assistant_turns == 3
     assert cfg.reward.format_bonus == 0.1 and cfg.tool_config == {"python": {"stateful": True}}
     assert type(cfg.tool_config["python"]) is dict and type(cfg.tools) is list
     with pytest.raises(EnvError, match="bad reward config"):
         EpisodeConfig.from_dict({"reward": {"bonus": 1}})
     with pytest.raises(EnvError, match="unknown tool-call parser"):
-        EpisodeConfig.from_dict({"parser": "xml"})
+        EpisodeConfig.from_dict({"format": "xml"})
+
+
+def test_the_old_field_names_still_work_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="use response_length"):
+        cfg = EpisodeConfig(max_response_tokens=77, parser="code_block", max_tool_response_tokens=9)
+    assert (cfg.response_length, cfg.format, cfg.max_tool_response_length) == (77, "code_block", 9)
+    with pytest.warns(DeprecationWarning, match="use .response_length"):
+        assert cfg.max_response_tokens == 77
+    with pytest.raises(EnvError, match="both"), pytest.warns(DeprecationWarning):
+        EpisodeConfig(parser="hermes", format="hermes")
+    with pytest.raises(TypeError, match="unknown settings"):
+        EpisodeConfig(max_tokens=3)
+
+
+def test_the_defaults_are_the_trainer_configs_and_from_sections_reads_its_names():
+    """One vocabulary: EpisodeConfig's defaults are the trainer's ``rollout`` / ``multi_turn`` /
+    ``reward`` defaults, and from_sections of the default config gives the default EpisodeConfig."""
+    from omegaconf import OmegaConf
+
+    from otb_tir.trainer.config import Config, load_config
+
+    assert EpisodeConfig.from_sections(OmegaConf.structured(Config).rollout, OmegaConf.structured(Config).multi_turn,
+                                       OmegaConf.structured(Config).reward) == EpisodeConfig()
+    cfg = load_config(None, ["rollout.response_length=300", "rollout.top_k=5", "multi_turn.format=code_block",
+                             "multi_turn.max_tool_response_length=17", "multi_turn.tools=[python]",
+                             "multi_turn.tool_timeout=2.5", "reward.format_bonus=0.25"])
+    ep = EpisodeConfig.from_sections(cfg.rollout, cfg.multi_turn, cfg.reward, temperature=0.0)
+    assert (ep.response_length, ep.top_k, ep.format, ep.max_tool_response_length, ep.tools, ep.tool_timeout,
+            ep.reward.format_bonus, ep.temperature) == (300, 5, "code_block", 17, ["python"], 2.5, 0.25, 0.0)
+    # plain attribute objects (verl's dataclass configs) and mappings alike; a missing key keeps the default
+    from types import SimpleNamespace
+
+    ep = EpisodeConfig.from_sections(SimpleNamespace(response_length=64, temperature=0.7),
+                                     {"format": "hermes", "max_parallel_calls": 2})
+    assert (ep.response_length, ep.temperature, ep.max_parallel_calls, ep.max_tokens_per_turn) == (64, 0.7, 2, 96)
 
 
 class SessionRecorder(Tool):
@@ -582,7 +620,7 @@ def test_a_stateful_session_is_released_however_the_trajectory_ends(tiny_tokeniz
     engines = [Engine(tiny_tokenizer, script) for _ in range(2)]  # one per episode: its own turn count
     turns = 2 if ending == "max_turns" else 4
     env = AgentEnv(tiny_tokenizer, tools={"note": tool},
-                   config=EpisodeConfig(max_assistant_turns=turns, max_response_tokens=256, max_tokens_per_turn=256))
+                   config=EpisodeConfig(max_assistant_turns=turns, response_length=256, max_tokens_per_turn=256))
 
     async def go():
         tasks = [asyncio.ensure_future(env.run(eng, f"question {k}", ground_truth="2")) for k, eng in enumerate(engines)]

@@ -52,7 +52,7 @@ def scripted_by_prompt(tok):
 
 
 def test_collated_batch_layout(tiny_tokenizer, real_tools):
-    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(max_response_tokens=160))
+    env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(response_length=160))
     eng = ScriptedEngine(tiny_tokenizer, scripted_by_prompt(tiny_tokenizer))
     batch = rollout(eng, env, PROMPTS, n=2, progress=False)
     B, R = 6, 160
@@ -119,7 +119,7 @@ def test_reward_lands_on_last_policy_token_even_when_mask0_tokens_follow():
 def test_pad_to_longest_and_config_forms(tiny_tokenizer, real_tools):
     eng = ScriptedEngine(tiny_tokenizer, ["\\boxed{4}"])
     eng.tokenizer = tiny_tokenizer  # rollout takes the tokenizer from the engine
-    batch = rollout(eng, {"max_response_tokens": 64, "tools": ["calculator"]}, ["2+2?"], n=3,
+    batch = rollout(eng, {"response_length": 64, "tools": ["calculator"]}, ["2+2?"], n=3,
                     tools=[real_tools["calculator"]], pad_to="longest", progress=False)
     assert batch["responses"].shape[1] == len(batch.trajectories[0].response_ids)
     assert len(set(batch["uid"])) == 1
@@ -187,8 +187,8 @@ def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, 
              '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',  # malformed
              "```python\nprint(1)\n```"]
     first = {q: rng.choice(calls[:3]) for q in questions[:3]}  # the 4th question: real sampling only
-    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=40, max_response_tokens=240,
-                        temperature=temperature, max_tool_response_tokens=32)
+    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=40, response_length=240,
+                        temperature=temperature, max_tool_response_length=32)
     env = AgentEnv(tiny_tokenizer, real_tools, cfg)
     base = HFEngine(tiny_model_dir, tokenizer=tiny_tokenizer, seed=seed, stop_at_eos=False)
     eng = FirstTurnScripted(base, tiny_tokenizer, first)

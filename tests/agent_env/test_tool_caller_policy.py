@@ -31,7 +31,7 @@ def test_tool_caller_policy_calls_lookup_on_every_turn():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tool = lookup_tool("note {n}")
     assert tool.schema() == LOOKUP_SCHEMA
-    cfg = EpisodeConfig(max_assistant_turns=3, max_response_tokens=192, max_tokens_per_turn=48, temperature=1.0)
+    cfg = EpisodeConfig(max_assistant_turns=3, response_length=192, max_tokens_per_turn=48, temperature=1.0)
     env = AgentEnv(tokenizer, tools=[tool], config=cfg)
     engine = HFEngine(model, tokenizer, share_weights=True, seed=123, stop_at_eos=False)
     prompts = make_split("test", 8, seed=123)

@@ -324,8 +324,8 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
     first = {questions[0]: _tc("calculator", expression="17*3"),
              questions[1]: _tc("python", code="print(sum(range(10)))"),
              questions[2]: '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'}
-    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=40, max_response_tokens=240,
-                        temperature=TEMPERATURE, max_tool_response_tokens=32)
+    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=40, response_length=240,
+                        temperature=TEMPERATURE, max_tool_response_length=32)
     real_tools = {"python": tools.get_tool("python"), "calculator": tools.get_tool("calculator")}
     env = AgentEnv(tok, real_tools, cfg)
     eng = _FirstTurnScripted(engine, tok, first)

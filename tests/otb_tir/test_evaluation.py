@@ -210,10 +210,10 @@ def test_bad_config_fails_with_a_clear_error(overrides, fragment):
 def test_config_defaults_and_training_names():
     cfg = load_eval_config(DEFAULT_CONFIG, ["rollout.n=8", "eval.pass_k=[1,8]"])
     assert cfg.rollout.n == 8 and list(cfg.eval.pass_k) == [1, 8] and cfg.rollout.name == "hf"
-    from otb_tir.trainer.trainer import episode_config
+    from otb_tir.builders import episode_config
 
     ep = episode_config(cfg)  # the training episode settings, from the same section names
-    assert ep.max_response_tokens == cfg.rollout.response_length and ep.max_assistant_turns == 3
+    assert ep.response_length == cfg.rollout.response_length and ep.max_assistant_turns == 3
 
 
 def test_bad_inputs_fail_at_start(tmp_path, tiny_model_dir):

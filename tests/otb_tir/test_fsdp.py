@@ -102,7 +102,8 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
     from agent_env.rollout import run_sync
     from otb_tir.trainer.config import load_config
     from otb_tir.trainer.run import build_optimizer
-    from otb_tir.trainer.trainer import Trainer, episode_config
+    from otb_tir.builders import episode_config
+    from otb_tir.trainer.trainer import Trainer
 
     cfg = load_config(None, SMALL + ["data.train_batch_size=4", f"trainer.output_dir={tmp_path}"])
     model = tiny_model_factory()

@@ -21,7 +21,8 @@ from agent_env.data import make_split
 from agent_env.engines.hf import HFEngine
 from otb_tir.trainer.config import load_config
 from otb_tir.trainer.run import build_optimizer
-from otb_tir.trainer.trainer import Trainer, episode_config, filter_loss_mask
+from otb_tir.builders import episode_config
+from otb_tir.trainer.trainer import Trainer, filter_loss_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 
