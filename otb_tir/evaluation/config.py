@@ -1,5 +1,6 @@
 """Evaluation configuration: a dataclass schema loaded with the training loader
-(:func:`otb_tir.trainer.config.load_config`: YAML + dotted overrides, ConfigError naming the key).
+(:func:`otb_tir.config.load_structured`, the loader training uses: YAML + dotted overrides,
+ConfigError naming the key).
 
 The sections reuse the training config's names where the concept is the same (``model``,
 ``rollout``, ``multi_turn``, ``reward``), so the episode settings come from the same
@@ -15,7 +16,8 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from otb_tir import ConfigError
-from otb_tir.trainer.config import ModelConfig, MultiTurnConfig, RewardConfig, RolloutConfig, load_config
+from otb_tir.config import load_structured
+from otb_tir.trainer.config import ModelConfig, MultiTurnConfig, RewardConfig, RolloutConfig
 
 __all__ = ["EvalConfig", "load_eval_config", "EVAL_CHOICES", "DEFAULT_CONFIG"]
 
@@ -124,4 +126,4 @@ def load_eval_config(path: str | Path | None = DEFAULT_CONFIG, overrides: Sequen
         if key.split(".", 1)[0] == "verl":  # the training loader passes verl.* through; eval has no verl section
             raise ConfigError(f"unknown config key '{key}'; the evaluation config has no 'verl' section "
                               f"(valid top-level keys: {', '.join(EvalConfig.__dataclass_fields__)})")
-    return load_config(path, overrides, schema=EvalConfig, choices=EVAL_CHOICES, check=_check)
+    return load_structured(EvalConfig, path, overrides, choices=EVAL_CHOICES, check=_check)

@@ -1,23 +1,23 @@
 """Training configuration: dataclasses (the schema) + YAML + dotted command-line overrides.
 
 Names follow verl where the concept is the same (``rollout.n``, ``actor.optim.lr``,
-``algorithm.adv_estimator``, ``multi_turn.max_assistant_turns``). An unknown or ill-typed key
-fails at start with :class:`~otb_tir.ConfigError` naming the key and the valid choices.
+``algorithm.adv_estimator``, ``multi_turn.max_assistant_turns``), end to end: agent_env's
+``EpisodeConfig`` uses them too. Loaded by the one loader, :func:`otb_tir.config.load_structured`:
+an unknown or ill-typed key fails at start with :class:`~otb_tir.ConfigError` naming the key and
+the valid choices.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Sequence
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf import DictConfig, OmegaConf
 
 from agent_env.reward import RewardConfig  # the one reward config: the trainer's `reward` section
 from otb_tir import ConfigError
+from otb_tir.config import load_structured
 
 
 @dataclass
@@ -182,132 +182,28 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _valid_keys(prefix: str, schema: type | None = None) -> list[str]:
-    """The keys allowed at the dotted path ``prefix`` of the schema ([] if it is not a section)."""
-    obj: Any = (schema or Config)()
-    for part in [p for p in prefix.split(".") if p]:
-        obj = getattr(obj, part, None)
-    return [f.name for f in fields(obj)] if is_dataclass(obj) else []
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+    """The training config: :class:`Config`'s defaults ← YAML file ← ``key=value`` overrides,
+    validated (unknown keys, types, ``CHOICES``, ranges) by :func:`otb_tir.config.load_structured`.
 
-
-def _key_error(key: str, schema: type | None = None) -> ConfigError:
-    parent, _, leaf = key.rpartition(".")
-    valid = _valid_keys(parent, schema)
-    hint = difflib.get_close_matches(leaf, valid, n=1)
-    where = f"under '{parent}'" if parent else "at the top level"
-    msg = f"unknown config key '{key}'; valid keys {where}: {', '.join(valid)}"
-    if hint:
-        msg += f" (did you mean '{(parent + '.' if parent else '') + hint[0]}'?)"
-    return ConfigError(msg)
-
-
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, schema: type | None = None,
-                choices: Mapping[str, Sequence[Any]] | None = None,
-                check: Callable[[DictConfig], None] | None = None) -> DictConfig:
-    """Schema defaults ← YAML file ← ``key=value`` overrides, validated.
-
-    Raises ConfigError for unknown keys, values of the wrong type and values outside ``CHOICES``.
-    Another recipe passes its own dataclass ``schema``, ``choices`` (dotted key → allowed values)
-    and ``check`` (further validation); the defaults are the training config's.
+    ``trainer=verl`` is shorthand for ``trainer.name=verl``; ``verl.<verl key>=value`` settings pass
+    through to verl (:mod:`otb_tir.verl.overrides`).
     """
-    training = schema is None
-    schema = Config if schema is None else schema
-    choices = CHOICES if choices is None else choices
-    check = (_check_ranges if training else None) if check is None else check
-    cfg = OmegaConf.structured(schema)
-    sources: list[tuple[str, Any]] = []
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        sources.append((str(path), OmegaConf.load(path)))
+    from otb_tir.verl import overrides as verl_overrides
+
     verl_items: list[str] = []
-    if "verl" in cfg:  # the training schema: `verl.<verl key>=value` passthrough (trainer=verl)
-        overrides, verl_items = _take_verl_passthrough(sources, overrides)
-    # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command).
-    if training:
-        overrides = [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o
-                     for o in overrides]
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"overrides must look like key=value (e.g. rollout.n=4), got: {bad}")
-    if overrides:
-        sources.append(("command line", OmegaConf.from_dotlist(list(overrides))))
-    for origin, src in sources:
-        try:
-            cfg = OmegaConf.merge(cfg, src)
-        except (ConfigKeyError, ConfigAttributeError) as e:
-            key = getattr(e, "full_key", None) or str(e)
-            raise _key_error(str(key), schema) from None
-        except ValidationError as e:
-            raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
-        except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
-            raise ConfigError(f"{origin}: {e}") from None
-    if "verl" in cfg:
-        _apply_verl_section(cfg, verl_items)
-    for key, allowed in choices.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"'{key}' must be one of {', '.join(map(str, allowed))}; got {value!r}")
-    if check is not None:
-        check(cfg)
-    return cfg
 
+    def split(sources: list[tuple[str, Any]], items: list[str]) -> list[str]:
+        ours, verl = verl_overrides.take_passthrough(sources, items)
+        verl_items.extend(verl)
+        # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command)
+        return [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o for o in ours]
 
-def _take_verl_passthrough(sources: list[tuple[str, Any]], overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Our own overrides, and the verl settings given as ``verl.<verl key>=v`` (``+verl.<key>=v`` for a
-    key verl lacks) on the command line or as nested keys under ``verl:`` in YAML, as ``key=value`` items."""
-    verl: list[str] = []
-    for _, src in sources:
-        verl += _pop_verl_passthrough(src)
-    ours = []
-    for o in overrides:
-        key, _, value = o.partition("=")
-        plus = key.startswith("+")
-        bare = key[1:] if plus else key
-        if bare.startswith("verl.") and bare.split(".")[1] not in _LAUNCHER_KEYS:
-            verl.append(("+" if plus else "") + bare[len("verl."):] + "=" + value)
-        else:
-            ours.append(o)
-    return ours, verl
+    def check(cfg: DictConfig) -> None:
+        verl_overrides.apply_section(cfg, verl_items)
+        _check_ranges(cfg)
 
-
-def _apply_verl_section(cfg: DictConfig, items: list[str]) -> None:
-    cfg.verl.overrides = [*cfg.verl.overrides, *items]
-    bad = [o for o in cfg.verl.overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"verl.overrides entries must look like key=value (a key of verl's ppo_trainer config), "
-                          f"got: {bad}")
-    if cfg.verl.overrides and cfg.trainer.name != "verl":
-        raise ConfigError(f"verl settings {list(cfg.verl.overrides)} only apply to trainer=verl; add trainer=verl "
-                          "or drop them (the local trainer is configured by this recipe's own keys)")
-
-
-# keys of the `verl` section that are ours (VerlConfig's fields); every other `verl.<key>` is verl's
-_LAUNCHER_KEYS = frozenset(f.name for f in fields(VerlConfig))
-
-
-def _pop_verl_passthrough(src: Any) -> list[str]:
-    """Nested verl keys under a YAML ``verl:`` section (besides ``overrides``) as ``key=value`` items."""
-    if not isinstance(src, DictConfig) or not isinstance(src.get("verl"), DictConfig):
-        return []
-    section = src.verl
-    extra = {k: section[k] for k in list(section.keys()) if k not in _LAUNCHER_KEYS}
-    for k in extra:
-        section.pop(k)
-    out: list[str] = []
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, DictConfig) and len(node):
-            for k in node.keys():
-                walk(f"{prefix}.{k}", node[k])
-            return
-        value = OmegaConf.to_container(node) if isinstance(node, (DictConfig, ListConfig)) else node
-        out.append(f"{prefix}={json.dumps(value)}")
-
-    for k, node in extra.items():
-        walk(str(k), node)
-    return out
+    return load_structured(Config, path, overrides, choices=CHOICES, check=check, sources_hook=split)
 
 
 def _check_ranges(cfg: DictConfig) -> None:

@@ -1,0 +1,85 @@
+"""The one config loader: a dataclass schema's defaults ← a YAML file ← dotted ``key=value``
+overrides, validated. An unknown or ill-typed key fails at start with
+:class:`~otb_tir.ConfigError` naming the key, the valid keys and the closest match.
+
+The training config (:mod:`otb_tir.trainer.config`) and the evaluation config
+(:mod:`otb_tir.evaluation.config`) are schemas loaded by :func:`load_structured`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from otb_tir import ConfigError
+
+__all__ = ["load_structured"]
+
+
+def _valid_keys(prefix: str, schema: type) -> list[str]:
+    """The keys allowed at the dotted path ``prefix`` of the schema ([] if it is not a section)."""
+    obj: Any = schema()
+    for part in [p for p in prefix.split(".") if p]:
+        obj = getattr(obj, part, None)
+    return [f.name for f in fields(obj)] if is_dataclass(obj) else []
+
+
+def _key_error(key: str, schema: type) -> ConfigError:
+    parent, _, leaf = key.rpartition(".")
+    valid = _valid_keys(parent, schema)
+    hint = difflib.get_close_matches(leaf, valid, n=1)
+    where = f"under '{parent}'" if parent else "at the top level"
+    msg = f"unknown config key '{key}'; valid keys {where}: {', '.join(valid)}"
+    if hint:
+        msg += f" (did you mean '{(parent + '.' if parent else '') + hint[0]}'?)"
+    return ConfigError(msg)
+
+
+def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                    choices: Mapping[str, Sequence[Any]] | None = None,
+                    check: Callable[[DictConfig], None] | None = None,
+                    sources_hook: Callable[[list[tuple[str, Any]], list[str]], list[str]] | None = None) -> DictConfig:
+    """``schema``'s defaults ← YAML file ← ``key=value`` overrides, validated.
+
+    Raises ConfigError for unknown keys, values of the wrong type and values outside ``choices``
+    (dotted key → allowed values); ``check`` validates further. ``sources_hook(sources,
+    overrides)`` may take keys out of the YAML sources and the overrides before they are merged
+    (the training config's verl passthrough) and returns the overrides to merge.
+    """
+    cfg = OmegaConf.structured(schema)
+    sources: list[tuple[str, Any]] = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        sources.append((str(path), OmegaConf.load(path)))
+    overrides = list(overrides)
+    if sources_hook is not None:
+        overrides = sources_hook(sources, overrides)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value (e.g. rollout.n=4), got: {bad}")
+    if overrides:
+        sources.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+    for origin, src in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, src)
+        except (ConfigKeyError, ConfigAttributeError) as e:
+            key = getattr(e, "full_key", None) or str(e)
+            raise _key_error(str(key), schema) from None
+        except ValidationError as e:
+            raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
+        except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
+            raise ConfigError(f"{origin}: {e}") from None
+    for key, allowed in (choices or {}).items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"'{key}' must be one of {', '.join(map(str, allowed))}; got {value!r}")
+    if check is not None:
+        check(cfg)
+    return cfg
