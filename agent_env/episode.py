@@ -248,7 +248,7 @@ class TurnRecord:
 
 @dataclass
 class Trajectory:
-    """One episode: the data contract of DESIGN.md plus what happened in it."""
+    """One episode: the data contract of docs/architecture.md plus what happened in it."""
 
     uid: str
     prompt_ids: list[int]

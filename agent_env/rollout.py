@@ -1,4 +1,5 @@
-"""Batch rollout: B prompts × n samples as concurrent episodes, collated into the DESIGN.md batch.
+"""Batch rollout: B prompts × n samples as concurrent episodes, collated into the training batch
+(docs/architecture.md, "The data contract of a training batch").
 
 ``rollout(engine, env_or_config, prompts, n)`` runs every episode as an asyncio task, so one
 episode's tool calls overlap the generation of the others (an engine such as ``HFEngine``
@@ -90,7 +91,7 @@ def _normalize_prompts(prompts: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def collate(trajectories: Sequence[Trajectory], *, pad_token_id: int, response_length: int | None = None) -> RolloutBatch:
-    """Collate trajectories into the DESIGN.md batch. ``response_length`` is R (``None``: the
+    """Collate trajectories into the training batch (docs/architecture.md). ``response_length`` is R (``None``: the
     longest response, at least 1); a response longer than R is an error."""
     if not trajectories:
         raise EnvError("cannot collate an empty list of trajectories")

@@ -1,4 +1,4 @@
-"""Evaluation of tool use: ``python recipes/eval_tool_use.py`` (see the README, "Evaluating tool use").
+"""Evaluation of tool use: ``python recipes/eval_tool_use.py`` (see docs/evaluation.md).
 
 - :func:`load_eval_config` (config schema + YAML + dotted overrides), :func:`prepare` (every input
   checked at start), :func:`evaluate` (episodes with tools, then with tools disabled; report written);

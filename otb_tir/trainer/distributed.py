@@ -1,6 +1,6 @@
 """The local trainer on one multi-GPU machine: ``torchrun --nproc_per_node N`` with torch FSDP2.
 
-Design (see the README, "Several GPUs on one machine"):
+Design (see docs/training.md, "Several GPUs on one machine"):
 
 * **Process group.** ``torchrun`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; :func:`init_distributed`
   starts NCCL on CUDA (one GPU per ``LOCAL_RANK``) and gloo on CPU. Without those variables
