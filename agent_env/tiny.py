@@ -9,7 +9,7 @@ this file) is Qwen2.5-style: tools in the system prompt, ``<tool_call>`` JSON in
 Typical use::
 
     from agent_env.tiny import tiny_policy_dir
-    path = tiny_policy_dir()                      # built once, cached on disk
+    path = tiny_policy_dir()                      # built once, cached on disk (agent_env.cache)
     tok = AutoTokenizer.from_pretrained(path)     # works offline; vLLM can load it too
     model = AutoModelForCausalLM.from_pretrained(path)
 """
@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from agent_env.cache import artifact_dir, default_cache_root, publish  # noqa: F401 (default_cache_root: re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -269,16 +271,6 @@ def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, seed: i
 
 # ----------------------------------------------------------------------------- cached folder
 
-
-def default_cache_root() -> Path:
-    """``$OTB_TIR_CACHE`` if set, else ``$XDG_CACHE_HOME/otb_tir`` or ``~/.cache/otb_tir``."""
-    env = os.environ.get("OTB_TIR_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "otb_tir"
-
-
 _MARKER = "otb_tir_tiny.json"
 
 
@@ -295,8 +287,9 @@ def tiny_policy_dir(
     """Build the tiny tokenizer + model once and ``save_pretrained`` both into a cached folder.
 
     The folder is ``<cache root>/tiny-qwen3-<hash of the build settings>`` (see
-    :func:`default_cache_root`; ``cache_dir`` overrides the root). It is written to a temporary
-    sibling and renamed into place, so concurrent processes never see a half-written folder.
+    :func:`agent_env.cache.default_cache_root`; ``cache_dir`` overrides the root), published by
+    :func:`agent_env.cache.publish`: built once under a lock, in a temporary sibling renamed into
+    place, so concurrent processes never see a half-written folder.
     ``AutoTokenizer.from_pretrained(path)`` and ``AutoModelForCausalLM.from_pretrained(path)``
     then work offline.
     """
@@ -311,17 +304,13 @@ def tiny_policy_dir(
         "corpus_sha": hashlib.sha256("\n".join(_corpus_lines(tokenizer_seed, TOKENIZER_CORPUS_SAMPLES)).encode()).hexdigest(),
         "tokens": [_SPLIT_PATTERN, SPECIAL_TOKENS, MARKUP_TOKENS],
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    final = root / f"tiny-qwen3-{digest}"
-    if (final / _MARKER).is_file():
-        return final
-    logger.info("building the tiny policy into %s", final)
-    from agent_env.cache import publishing
+    final = artifact_dir(cache_dir, "tiny-qwen3", key)
 
-    with publishing(final, _MARKER, key) as tmp:
+    def build(tmp: Path) -> None:
+        logger.info("building the tiny policy into %s", final)
         tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=tokenizer_seed)
         model = build_tiny_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed, **overrides)
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp)
-    return final
+
+    return publish(final, _MARKER, build, key)

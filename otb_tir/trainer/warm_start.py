@@ -23,7 +23,6 @@ and prints its tool-call rate and held-out accuracy with and without tool execut
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -284,12 +283,6 @@ class WarmStartSettings:
                 "intermediate_size": 3 * self.hidden_size}
 
 
-def _default_cache_root() -> Path:
-    from agent_env.tiny import default_cache_root
-
-    return default_cache_root()
-
-
 def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int | None = None,
                       seed: int = 0, n_traces: int | None = None, batch_size: int | None = None,
                       copy_steps: int | None = None,
@@ -301,15 +294,14 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
 
     Arguments left as ``None`` take :class:`WarmStartSettings`' defaults. Built once and cached as
     ``<cache root>/warm-<hash of every setting>`` (``cache_dir`` overrides the root, default
-    ``$OTB_TIR_CACHE`` or ``~/.cache/otb_tir``); the folder is written to a temporary sibling and
-    renamed into place. ``base`` is the folder to start from (default: the built-in tiny model of
-    ``hidden_size`` × ``layers``, ``agent_env.tiny.tiny_policy_dir(cache_dir, ...)``). A
-    ``otb_tir_warm_start.json`` in the folder records the settings, the loss curve and the build
-    times. Bad settings raise :class:`ConfigError` before any work.
+    ``$OTB_TIR_CACHE`` or ``~/.cache/otb_tir``) by :func:`agent_env.cache.publish` (one build under
+    a lock, written to a temporary sibling and renamed into place). ``base`` is the folder to start
+    from (default: the built-in tiny model of ``hidden_size`` × ``layers``,
+    ``agent_env.tiny.tiny_policy_dir(cache_dir, ...)``). A ``otb_tir_warm_start.json`` in the
+    folder records the settings, the loss curve and the build times. Bad settings raise
+    :class:`ConfigError` before any work.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from agent_env.cache import artifact_dir, publish
     from agent_env.tiny import tiny_policy_dir
 
     given = {"steps": steps, "copy_steps": copy_steps, "n_traces": n_traces, "batch_size": batch_size, "lr": lr,
@@ -317,7 +309,6 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     settings = WarmStartSettings(seed=seed, mixture=mixture or TraceMixture(),
                                  **{k: v for k, v in given.items() if v is not None})
     settings.validate()
-    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
     base_path = Path(base) if base is not None else tiny_policy_dir(cache_dir, **settings.base_model_overrides())
     if not (base_path / "config.json").is_file():
         raise ConfigError(f"base policy folder {base_path} has no config.json (not an HF model folder)")
@@ -325,16 +316,31 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     key = {"version": WARM_VERSION, "settings": asdict(settings), "base": str(base_path.resolve()),
            "base_config": (base_path / "config.json").read_text(),
            "tools": schemas}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    final = root / f"warm-{digest}"
-    if (final / _MARKER).is_file():
-        return final
+    final = artifact_dir(cache_dir, "warm", key)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        model, tokenizer, record = _train(settings, base_path, schemas, progress)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        losses = record["losses"]
+        logger.info("warm start cached in %s (traces %.1f s, training %.1f s, final loss %.3f)",
+                    final, record["trace_seconds"], record["train_seconds"], sum(losses[-10:]) / len(losses[-10:]))
+        return record
+
+    return publish(final, _MARKER, build, {"key": key | {"base_config": None}})
+
+
+def _train(settings: WarmStartSettings, base_path: Path, schemas: list[dict[str, Any]],
+           progress: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """Both SFT phases from ``base_path``: the trained model, its tokenizer and the build's record."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     logger.info("warm start: generating %d traces", settings.n_traces)
-    traces = make_traces(settings.n_traces, seed=seed, mixture=settings.mixture)
+    traces = make_traces(settings.n_traces, seed=settings.seed, mixture=settings.mixture)
     examples = [tokenize_conversation(tokenizer, m, tools=schemas) for m in traces]
     t1 = time.perf_counter()
     losses: list[float] = []
@@ -347,17 +353,8 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     logger.info("warm start phase 2: %d steps on all %d traces", settings.steps, len(examples))
     losses += sft_train(model, examples, tokenizer.pad_token_id, settings.sft_config(progress=progress))
     t2 = time.perf_counter()
-
-    from agent_env.cache import publishing
-
-    record = {"key": key | {"base_config": None}, "losses": losses, "trace_seconds": t1 - t0,
-              "train_seconds": t2 - t1, "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
-    with publishing(final, _MARKER, record) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    logger.info("warm start cached in %s (traces %.1f s, training %.1f s, final loss %.3f)",
-                final, t1 - t0, t2 - t1, sum(losses[-10:]) / len(losses[-10:]))
-    return final
+    return model, tokenizer, {"losses": losses, "trace_seconds": t1 - t0, "train_seconds": t2 - t1,
+                              "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
 
 
 # ----------------------------------------------------------------------------- quick check

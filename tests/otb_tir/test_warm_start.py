@@ -196,3 +196,39 @@ def test_copy_phase_needs_tool_traces(tmp_path, monkeypatch):
         warm_start.warm_start_policy(tmp_path, steps=1, copy_steps=2, n_traces=4, batch_size=2, warmup_steps=0,
                                      base=tiny_policy_dir(), progress=False,
                                      mixture=TraceMixture(tool_share={k: 0.0 for k in warm_start.DEFAULT_TOOL_SHARE}))
+
+
+def test_warm_start_publishes_through_the_cache(tmp_path, monkeypatch):
+    """warm_start_policy publishes with agent_env.cache.publish: two concurrent callers train once;
+    a build that fails mid-training publishes nothing (no folder, temporary or lock file left)."""
+    import threading
+
+    from agent_env.tiny import tiny_policy_dir
+
+    base = tiny_policy_dir()
+    kw = dict(steps=2, copy_steps=1, n_traces=6, batch_size=3, warmup_steps=1, base=base, progress=False)
+    real = warm_start.sft_train
+    phases = []
+
+    def counted(*a, **k):
+        phases.append(threading.get_ident())
+        return real(*a, **k)
+
+    monkeypatch.setattr(warm_start, "sft_train", counted)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(warm_start.warm_start_policy(tmp_path, **kw)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(results) == 2 and results[0] == results[1] and len(phases) == 2  # one build: its two phases
+    assert sorted(p.name for p in tmp_path.iterdir()) == [results[0].name]
+
+    def crash(*a, **k):
+        raise RuntimeError("killed mid-training")
+
+    monkeypatch.setattr(warm_start, "sft_train", crash)
+    with pytest.raises(RuntimeError, match="mid-training"):
+        warm_start.warm_start_policy(tmp_path, **{**kw, "steps": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [results[0].name]

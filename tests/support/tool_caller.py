@@ -10,8 +10,8 @@ It is the built-in tiny Qwen3 policy (:func:`agent_env.tiny.tiny_policy_dir`) af
 the built-in task's train prompts, then three such assistant turns with varied tool responses
 between them. The build checks the result with real episodes (:class:`agent_env.AgentEnv` +
 :class:`agent_env.engines.hf.HFEngine`) on held-out prompts before publishing the folder to the
-cache (``<cache root>/tool-caller-<hash of the build settings>``, written to a temporary sibling
-and renamed into place, like :func:`agent_env.tiny.tiny_policy_dir`).
+cache (``<cache root>/tool-caller-<hash of the build settings>``) with
+:func:`agent_env.cache.publish`, like :func:`agent_env.tiny.tiny_policy_dir`.
 
 Typical use::
 
@@ -190,7 +190,7 @@ def check_tool_caller(model, tokenizer, *, episodes: int = 16, temperature: floa
 
 def tool_caller_policy(cache_root: Path | None = None, *, settings: ToolCallerSettings | None = None) -> Path:
     """The tool-calling tiny policy: a ``save_pretrained`` folder (model + tokenizer), built once
-    and cached under ``cache_root`` (default :func:`agent_env.tiny.default_cache_root`).
+    and cached under ``cache_root`` (default :func:`agent_env.cache.default_cache_root`).
 
     Raises ``RuntimeError`` (and caches nothing) if the trained policy does not call ``lookup`` on
     every turn of the build's check episodes, at temperature 0 and 1.
@@ -198,12 +198,12 @@ def tool_caller_policy(cache_root: Path | None = None, *, settings: ToolCallerSe
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agent_env.tiny import default_cache_root, tiny_policy_dir
+    from agent_env.cache import artifact_dir, publish
+    from agent_env.tiny import tiny_policy_dir
     from otb_tir.trainer.sft import SFTConfig, sft_train, tokenize_conversation
 
     s = settings or ToolCallerSettings()
-    root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
-    base = tiny_policy_dir(root)
+    base = tiny_policy_dir(cache_root)
     probe = training_conversations(4, seed=s.seed, turns=s.turns)
     key = {
         "build_version": BUILD_VERSION,
@@ -214,45 +214,39 @@ def tool_caller_policy(cache_root: Path | None = None, *, settings: ToolCallerSe
         "base_config": (base / "config.json").read_text(),
         "probe_sha": hashlib.sha256(json.dumps(probe, sort_keys=True).encode()).hexdigest(),
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    final = root / f"tool-caller-{digest}"
-    if (final / _MARKER).is_file():
-        return final
+    final = artifact_dir(cache_root, "tool-caller", key)
 
-    logger.info("building the tool-caller policy into %s", final)
-    t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    convs = training_conversations(s.n_conversations, seed=s.seed, turns=s.turns)
-    examples = [tokenize_conversation(tokenizer, m, tools=[LOOKUP_SCHEMA]) for m in convs]
-    sft = SFTConfig(steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
-                    min_lr_ratio=s.min_lr_ratio, seed=s.seed, progress=False)
-    state = torch.random.get_rng_state()
-    try:
-        losses = sft_train(model, examples, tokenizer.pad_token_id, sft)
-    finally:
-        torch.random.set_rng_state(state)
-    t1 = time.perf_counter()
-    checks = {}
-    for temperature in (0.0, 1.0):
-        figures = check_tool_caller(model, tokenizer, episodes=s.check_episodes, temperature=temperature,
-                                    seed=s.seed, max_assistant_turns=s.turns)
-        checks[str(temperature)] = figures
-        if figures["call_rate"] < 1.0 or figures["max_turns_rate"] < 1.0:
-            raise RuntimeError(
-                f"the tool-caller policy does not call 'lookup' on every turn at temperature {temperature}: "
-                f"{figures['turns_calling_lookup']}/{figures['turns']} turns, finish reasons "
-                f"{figures['finish_reasons']}, e.g. {figures['bad_turns']!r} (final SFT loss "
-                f"{sum(losses[-10:]) / len(losses[-10:]):.4f}); retune ToolCallerSettings")
-    t2 = time.perf_counter()
-
-    from agent_env.cache import publishing
-
-    record = {"key": key | {"base_config": None}, "losses": losses, "checks": checks,
-              "train_seconds": t1 - t0, "check_seconds": t2 - t1,
-              "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
-    with publishing(final, _MARKER, record) as tmp:
+    def build(tmp: Path) -> dict[str, Any]:
+        logger.info("building the tool-caller policy into %s", final)
+        t0 = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        convs = training_conversations(s.n_conversations, seed=s.seed, turns=s.turns)
+        examples = [tokenize_conversation(tokenizer, m, tools=[LOOKUP_SCHEMA]) for m in convs]
+        sft = SFTConfig(steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
+                        min_lr_ratio=s.min_lr_ratio, seed=s.seed, progress=False)
+        state = torch.random.get_rng_state()
+        try:
+            losses = sft_train(model, examples, tokenizer.pad_token_id, sft)
+        finally:
+            torch.random.set_rng_state(state)
+        t1 = time.perf_counter()
+        checks = {}
+        for temperature in (0.0, 1.0):
+            figures = check_tool_caller(model, tokenizer, episodes=s.check_episodes, temperature=temperature,
+                                        seed=s.seed, max_assistant_turns=s.turns)
+            checks[str(temperature)] = figures
+            if figures["call_rate"] < 1.0 or figures["max_turns_rate"] < 1.0:
+                raise RuntimeError(
+                    f"the tool-caller policy does not call 'lookup' on every turn at temperature {temperature}: "
+                    f"{figures['turns_calling_lookup']}/{figures['turns']} turns, finish reasons "
+                    f"{figures['finish_reasons']}, e.g. {figures['bad_turns']!r} (final SFT loss "
+                    f"{sum(losses[-10:]) / len(losses[-10:]):.4f}); retune ToolCallerSettings")
+        t2 = time.perf_counter()
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    logger.info("tool-caller policy cached in %s (training %.1f s, check %.1f s)", final, t1 - t0, t2 - t1)
-    return final
+        logger.info("tool-caller policy cached in %s (training %.1f s, check %.1f s)", final, t1 - t0, t2 - t1)
+        return {"losses": losses, "checks": checks, "train_seconds": t1 - t0, "check_seconds": t2 - t1,
+                "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
+
+    return publish(final, _MARKER, build, {"key": key | {"base_config": None}})
