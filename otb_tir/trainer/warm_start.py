@@ -17,7 +17,8 @@ improve it. :func:`warm_start_policy` trains briefly on CPU, in two phases (``co
 tool-call traces only, where the policy learns to copy the question into its calls, then
 ``steps`` on the whole mixture), and caches the result under the user's
 cache directory keyed by every setting; ``python -m otb_tir.trainer.warm_start --check`` builds it
-and prints its tool-call rate and held-out accuracy with and without tool execution.
+and prints its tool-call rate and held-out accuracy with and without tool execution, read from the
+tool-use evaluation's episodes (``AgentEnv``, the real tools; :func:`evaluate_tool_use`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import os
 import random
 import re
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -362,15 +364,19 @@ def _train(settings: WarmStartSettings, base_path: Path, schemas: list[dict[str,
 
 @dataclass
 class ToolUseReport:
-    """Figures of :func:`evaluate_tool_use` (rates in [0, 1])."""
+    """Figures of :func:`evaluate_tool_use` (rates in [0, 1]), read from the episodes of an
+    evaluation run (:func:`tool_use_report`)."""
 
     n: int
     temperature: float
     accuracy: float  # with the tool calls executed (up to ``max_turns`` assistant turns)
     accuracy_without_tools: float  # first-turn direct answers only (tool calls not executed)
     tool_call_rate: float  # episodes whose first turn makes a tool call
-    well_formed_rate: float  # tool-call attempts that parse, name a known tool and its argument
-    tool_success_rate: float  # executed calls that returned ok
+    #: tool calls that parse, name a tool of the set and pass its arguments (none of
+    #: ``agent_env.tool_metrics.MALFORMED_KINDS``; a call on the last allowed turn is not executed,
+    #: so only its parse and its tool name count)
+    well_formed_rate: float
+    tool_success_rate: float  # executed calls that returned ok (the evaluation's tools/executed_success_rate)
     by_kind: dict[str, float] = field(default_factory=dict)  # accuracy with tools, per problem kind
     #: per problem kind: ``n``, ``accuracy``, ``tool_call_rate`` (first turn calls a tool),
     #: ``call_exact`` (of first calls: the argument is the reference call, or its result contains the
@@ -379,89 +385,37 @@ class ToolUseReport:
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-async def _evaluate(path: Path, items: list[dict[str, Any]], temperature: float, max_turns: int,
-                    max_new_tokens: int, seed: int) -> ToolUseReport:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def tool_use_report(report: dict[str, Any], items: list[dict[str, Any]]) -> ToolUseReport:
+    """The :class:`ToolUseReport` of an evaluation report (:func:`otb_tir.evaluation.evaluate`, with
+    its per-episode ``records``, one sample per problem) over ``items``, the problems it ran."""
+    from agent_env.tool_metrics import MALFORMED_KINDS
 
-    from agent_env.parsers import HermesParser
-    from agent_env.reward import math_reward
-    from tools import get_tool
-
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    schemas = tool_schemas()
-    tools = {name: get_tool(name) for name in DEFAULT_TOOLS}
-    args_key = {"python": "code", "calculator": "expression"}
-    parser = HermesParser()
-    torch.manual_seed(seed)
-    convs = [[dict(m) for m in it["prompt"]] for it in items]
-    final: list[str | None] = [None] * len(items)
-    first_call = [False] * len(items)
-    first_args: list[dict[str, Any] | None] = [None] * len(items)
-    first_result: list[str | None] = [None] * len(items)
-    first_correct = [False] * len(items)
-    attempts = well_formed = executed = succeeded = 0
-    active = list(range(len(items)))
-    try:
-        for turn in range(max_turns):
-            if not active:
-                break
-            texts = [tokenizer.apply_chat_template(convs[i], tools=schemas, tokenize=False,
-                                                   add_generation_prompt=True) for i in active]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                     temperature=temperature if temperature > 0 else None, top_k=0, top_p=1.0,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            replies = tokenizer.batch_decode(out[:, enc["input_ids"].size(1):], skip_special_tokens=True)
-            still = []
-            for i, reply in zip(active, replies):
-                calls = parser.parse(reply) if "<tool_call>" in reply else []
-                if turn == 0:
-                    first_call[i] = bool(calls)
-                    if calls:
-                        first_args[i] = {"name": calls[0].name, **calls[0].arguments}
-                    if not calls:
-                        first_correct[i] = math_reward(reply, items[i]["reward_model"]["ground_truth"]).correct
-                if not calls:
-                    final[i] = reply
-                    continue
-                attempts += len(calls)
-                good = [c for c in calls if c.ok and c.name in tools and args_key[c.name] in c.arguments]
-                well_formed += len(good)
-                content = reply[: reply.find("<tool_call>")].strip()
-                convs[i].append({"role": "assistant", "content": content, "tool_calls": [
-                    {"type": "function", "function": {"name": c.name or "", "arguments": c.arguments}} for c in calls]})
-                for c in calls:
-                    if c in good:
-                        res = await tools[c.name].call(c.arguments)
-                        executed += 1
-                        succeeded += int(res.ok)
-                        text = res.text
-                        if turn == 0 and c is calls[0]:
-                            first_result[i] = text
-                    else:
-                        text = f"Error: malformed tool call ({c.error_message or 'unknown tool or missing argument'})"
-                    convs[i].append({"role": "tool", "content": text})
-                still.append(i)
-            active = still
-    finally:
-        for tool in tools.values():
-            await tool.close()
-    correct = [final[i] is not None and math_reward(final[i], it["reward_model"]["ground_truth"]).correct
-               for i, it in enumerate(items)]
-    kinds: dict[str, list[bool]] = {}
-    for it, ok in zip(items, correct):
-        kinds.setdefault(it["extra_info"].get("kind", "?"), []).append(ok)
-    breakdown = _breakdown(items, correct, first_call, first_correct, first_args, first_result)
+    if "records" not in report:
+        raise ConfigError("the evaluation report has no per-episode records (output.records=false)")
+    recs = sorted(report["records"]["with_tools"], key=lambda r: (r["problem_index"], r["sample_index"]))
+    if [r["problem_index"] for r in recs] != list(range(len(items))):
+        raise ConfigError(f"expected one episode per problem for {len(items)} problems, "
+                          f"got {len(recs)} episodes")
+    tools = set(report["meta"]["tools"])
+    first_calls = [r["turns"][0]["tool_calls"] if r["turns"] else [] for r in recs]
+    correct = [bool(r["correct"]) for r in recs]
+    first_call = [bool(calls) for calls in first_calls]
+    # a first turn without a tool call ends the episode: its answer is the episode's
+    first_correct = [ok and not called for ok, called in zip(correct, first_call)]
+    first_args = [{"name": calls[0]["name"], **(calls[0]["arguments"] or {})} if calls else None
+                  for calls in first_calls]
+    first_result = [calls[0]["result"] if calls and calls[0]["executed"] else None for calls in first_calls]
+    calls = [c for r in recs for turn in r["turns"] for c in turn["tool_calls"]]
+    well_formed = sum(c["error"] not in MALFORMED_KINDS and c["name"] in tools for c in calls)
+    overall = report["with_tools"]["overall"]
     n = len(items)
     return ToolUseReport(
-        n=n, temperature=temperature, accuracy=sum(correct) / n,
+        n=n, temperature=float(report["meta"]["temperature"]), accuracy=sum(correct) / n,
         accuracy_without_tools=sum(first_correct) / n, tool_call_rate=sum(first_call) / n,
-        well_formed_rate=well_formed / attempts if attempts else 0.0,
-        tool_success_rate=succeeded / executed if executed else 0.0,
-        by_kind={k: sum(v) / len(v) for k, v in sorted(kinds.items())}, breakdown=breakdown)
+        well_formed_rate=well_formed / len(calls) if calls else 0.0,
+        tool_success_rate=overall.get("tools/executed_success_rate") or 0.0,
+        by_kind={k: f["accuracy/mean@n"] for k, f in sorted((report["with_tools"].get("by_kind") or {}).items())},
+        breakdown=_breakdown(items, correct, first_call, first_correct, first_args, first_result))
 
 
 def _numbers(text: str | None) -> list[str]:
@@ -502,15 +456,42 @@ def _breakdown(items, correct, first_call, first_correct, first_args, first_resu
     return out
 
 
-def evaluate_tool_use(path: str | os.PathLike, items: list[dict[str, Any]], *, temperature: float = 1.0,
-                      max_turns: int = 3, max_new_tokens: int = 96, seed: int = 0) -> ToolUseReport:
-    """Sample the policy at ``path`` on ``items`` (one batch per turn, HF ``generate``), execute
-    its hermes tool calls with the real tools, and score the final answers with the math reward.
+def check_config(path: str | os.PathLike, n: int, *, temperature: float = 1.0, max_turns: int = 3,
+                 max_new_tokens: int = 96, seed: int = 0, output_dir: str | os.PathLike = "runs/warm_start_check"):
+    """The evaluation config of :func:`evaluate_tool_use`: the shipped ``eval_tool_use.yaml`` (its
+    tools, tool-response truncation and timeouts, the HF engine) with one sample per problem, the
+    given temperature, seed and turn caps, a response budget that never binds before them, and no
+    tools-disabled pass."""
+    from otb_tir.evaluation import load_eval_config
+    from otb_tir.evaluation.config import DEFAULT_CONFIG
 
-    A quick check of a warm start, independent of the episode/rollout code (which the evaluation
-    recipe uses); ``temperature=0`` is greedy decoding.
+    overrides = [f"model.path={Path(path)}", f"data.size={n}", "rollout.n=1", f"rollout.temperature={temperature}",
+                 f"rollout.max_tokens_per_turn={max_new_tokens}", f"multi_turn.max_assistant_turns={max_turns}",
+                 "eval.pass_k=[1]", "eval.without_tools=false", f"eval.seed={seed}", f"output.dir={output_dir}",
+                 "output.name=warm_start_check", "output.records=true", "output.plots=false",
+                 "output.progress=false"]
+    tool_tokens = load_eval_config(DEFAULT_CONFIG, overrides).multi_turn.max_tool_response_length
+    budget = max_turns * max_new_tokens + (max_turns - 1) * (tool_tokens + 32)  # + the template's markup
+    return load_eval_config(DEFAULT_CONFIG, overrides + [f"rollout.response_length={budget}"])
+
+
+def evaluate_tool_use(path: str | os.PathLike, items: list[dict[str, Any]], *, temperature: float = 1.0,
+                      max_turns: int = 3, max_new_tokens: int = 96, seed: int = 0,
+                      report_dir: str | os.PathLike | None = None) -> ToolUseReport:
+    """Run the policy at ``path`` on ``items`` with the tool-use evaluation
+    (:func:`otb_tir.evaluation.evaluate`: ``AgentEnv`` episodes with the real tools, scored by the
+    math reward; one sample per problem, config :func:`check_config`) and read the report's
+    figures (:func:`tool_use_report`). ``temperature=0`` is greedy decoding. The evaluation's
+    own report is written to ``report_dir`` (default: a temporary folder, removed).
     """
-    return asyncio.run(_evaluate(Path(path), items, temperature, max_turns, max_new_tokens, seed))
+    from otb_tir.evaluation import evaluate, prepare
+
+    with tempfile.TemporaryDirectory(prefix="warm_start_check-") as tmp:
+        cfg = check_config(path, len(items), temperature=temperature, max_turns=max_turns,
+                           max_new_tokens=max_new_tokens, seed=seed, output_dir=report_dir or tmp)
+        prep = replace(prepare(cfg), items=list(items), data_desc=f"{len(items)} given problems")
+        report = evaluate(cfg, prep)
+    return tool_use_report(report, list(items))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -531,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--check", type=int, default=0, metavar="N", help="evaluate on N held-out problems")
+    ap.add_argument("--report-dir", default=None, help="keep the check's evaluation reports here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.perf_counter()
@@ -541,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.check:
         items = make_split("test", args.check, seed=0)
         for temp in (0.0, 1.0):
-            report = asdict(evaluate_tool_use(path, items, temperature=temp))
+            report_dir = None if args.report_dir is None else Path(args.report_dir) / f"T{temp:g}"
+            report = asdict(evaluate_tool_use(path, items, temperature=temp, report_dir=report_dir))
             breakdown = report.pop("breakdown")
             logger.info("%s", json.dumps(report))
             logger.info("%s", format_breakdown(breakdown))

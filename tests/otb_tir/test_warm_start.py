@@ -1,5 +1,6 @@
 """Warm start: per-kind trace mixture statistics, reference calls checked by the real calculator
-and sympy, the per-kind diagnostic, the cache key, and bad settings."""
+and sympy, the per-kind diagnostic, the check's report read from AgentEnv episodes, the cache key,
+and bad settings."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import sympy
 
 from agent_env.data import KINDS, make_split
+from agent_env.engines.base import GenerationOutput
 from otb_tir import ConfigError
 from otb_tir.trainer import warm_start
 from otb_tir.trainer.warm_start import (DEFAULT_TOOL_SHARE, TraceMixture, WarmStartSettings, _breakdown,
@@ -196,6 +198,104 @@ def test_copy_phase_needs_tool_traces(tmp_path, monkeypatch):
         warm_start.warm_start_policy(tmp_path, steps=1, copy_steps=2, n_traces=4, batch_size=2, warmup_steps=0,
                                      base=tiny_policy_dir(), progress=False,
                                      mixture=TraceMixture(tool_share={k: 0.0 for k in warm_start.DEFAULT_TOOL_SHARE}))
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+class _ScriptedCheckPolicy:
+    """An Engine that plays one strategy per problem (index mod 6), read from the prompt text:
+    0 the reference calculator call, then the tool's result boxed; 1 a wrong calculator call, its
+    result boxed; 2 a right guess; 3 a wrong guess; 4 a call with a bad argument name, then a wrong
+    answer; 5 the reference call, then a wrong number boxed."""
+
+    def __init__(self, tokenizer, items):
+        self.tok, self.items = tokenizer, items
+        self.stop = tokenizer.eos_token_id
+
+    async def generate(self, prompt_ids, params):
+        text = self.tok.decode(prompt_ids)
+        i = max((j for j, it in enumerate(self.items) if it["extra_info"]["question"] in text),
+                key=lambda j: len(self.items[j]["extra_info"]["question"]))
+        item, plan = self.items[i], i % 6
+        truth = item["reward_model"]["ground_truth"]
+        turn = text.count("<|im_start|>assistant")
+
+        def call(args):
+            return '<tool_call>\n{"name": "calculator", "arguments": %s}\n</tool_call>' % __import__("json").dumps(args)
+
+        if turn == 1:
+            out = {0: call({"expression": reference_call(item)[1]}), 1: call({"expression": "12345+1"}),
+                   2: f"The answer is \\boxed{{{truth}}}.", 3: "The answer is \\boxed{99999999}.",
+                   4: call({"expr": "1+1"}), 5: call({"expression": reference_call(item)[1]})}[plan]
+        else:
+            result = text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
+            out = {0: f"The answer is \\boxed{{{final_answer_from_result(result)}}}.",
+                   1: f"The answer is \\boxed{{{final_answer_from_result(result)}}}.",
+                   4: "The answer is \\boxed{2}.", 5: "The answer is \\boxed{77777777}."}[plan]
+        ids = self.tok.encode(out, add_special_tokens=False) + [self.stop]
+        return GenerationOutput(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
+
+    async def update_weights(self, named_tensors):
+        pass
+
+    async def close(self):
+        pass
+
+
+def test_check_report_is_what_the_agent_env_episodes_give(tiny_model_dir, tiny_tokenizer, monkeypatch, tmp_path):
+    """evaluate_tool_use runs its episodes with AgentEnv (the evaluation's rollout, real tools):
+    every figure of the report equals the one computed directly from those trajectories, and the
+    scripted strategies give the figures they must."""
+    from agent_env import AgentEnv
+    from agent_env.tool_metrics import MALFORMED_KINDS, tool_metrics
+    from otb_tir.evaluation import run as run_mod
+
+    items = make_split("test", 12, seed=0)
+    monkeypatch.setattr(run_mod, "build_engine", lambda cfg, path, tok: _ScriptedCheckPolicy(tok, items))
+    trajs = []
+    real_run = AgentEnv.run
+
+    async def spy(self, *a, **k):
+        traj = await real_run(self, *a, **k)
+        trajs.append(traj)
+        return traj
+
+    monkeypatch.setattr(AgentEnv, "run", spy)
+    report = warm_start.evaluate_tool_use(tiny_model_dir, items, temperature=0.0, report_dir=tmp_path)
+    assert len(trajs) == len(items)  # one AgentEnv episode per problem, nothing else
+    assert (tmp_path / "warm_start_check.json").is_file()  # the evaluation's own report
+    trajs.sort(key=lambda t: int(t.uid[1:]))
+    n = len(items)
+    correct = [bool(t.reward_details["correct"]) for t in trajs]
+    first_call = [bool(t.turns[0].tool_calls) for t in trajs]
+    first_correct = [ok and not c for ok, c in zip(correct, first_call)]
+    first_args = [{"name": t.turns[0].tool_calls[0].name, **t.turns[0].tool_calls[0].arguments} if c else None
+                  for t, c in zip(trajs, first_call)]
+    first_result = [t.turns[0].tool_calls[0].text if c and t.turns[0].tool_calls[0].executed else None
+                    for t, c in zip(trajs, first_call)]
+    calls = [c for t in trajs for tr in t.turns for c in tr.tool_calls]
+    assert report.n == n and report.temperature == 0.0
+    assert report.accuracy == sum(correct) / n
+    assert report.tool_call_rate == sum(first_call) / n
+    assert report.accuracy_without_tools == sum(first_correct) / n
+    assert report.well_formed_rate == sum(c.error not in MALFORMED_KINDS for c in calls) / len(calls)
+    assert report.tool_success_rate == tool_metrics(trajs)["tools/executed_success_rate"]
+    kinds = sorted({it["extra_info"]["kind"] for it in items})
+    assert report.by_kind == {k: sum(ok for ok, it in zip(correct, items) if it["extra_info"]["kind"] == k)
+                              / sum(it["extra_info"]["kind"] == k for it in items) for k in kinds}
+    expected = _breakdown(items, correct, first_call, first_correct, first_args, first_result)
+    assert report.breakdown.keys() == expected.keys()
+    for kind, row in expected.items():
+        assert report.breakdown[kind] == pytest.approx(row, nan_ok=True)
+    # the scripted strategies: plans 0 and 2 are right (4 of 12), plans 0, 1, 4, 5 call a tool (8),
+    # plan 2 guesses right (2); the two calls with a bad argument name are malformed and fail
+    assert correct == [i % 6 in (0, 2) for i in range(n)]
+    assert (report.accuracy, report.tool_call_rate, report.accuracy_without_tools) == (4 / 12, 8 / 12, 2 / 12)
+    assert report.well_formed_rate == 6 / 8 and report.tool_success_rate == 6 / 8
+    assert sum(row["n"] * row["tool_call_rate"] * row["call_exact"] for row in report.breakdown.values()
+               if row["tool_call_rate"]) == pytest.approx(4)  # plans 0 and 5 make the reference call
+    assert sum(row["n"] * row["guess_rate"] for row in report.breakdown.values()) == pytest.approx(4)
 
 
 def test_warm_start_publishes_through_the_cache(tmp_path, monkeypatch):
