@@ -16,6 +16,17 @@ from typing import Callable
 import pytest
 
 
+HEAVY_TIERS = ("fsdp", "vllm", "verl", "docker")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test of a heavy tier (pyproject's markers: fsdp, vllm, verl, docker) is also slow, so
+    ``pytest -m "not slow"`` is the quick loop and ``-m verl`` (etc.) selects one tier."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in HEAVY_TIERS) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from agent_env.tiny import tiny_policy_dir

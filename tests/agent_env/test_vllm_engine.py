@@ -57,7 +57,7 @@ def vllm_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return res
 
 
-@pytest.mark.slow
+@pytest.mark.vllm
 def test_concurrent_generation_matches_hf_logprobs(vllm_results: dict) -> None:
     r = vllm_results["concurrent"]
     assert r["n_logprobs"] == r["lengths"]
@@ -72,7 +72,7 @@ def test_concurrent_generation_matches_hf_logprobs(vllm_results: dict) -> None:
     assert vllm_results["wrong_temperature_diff"] > 100 * LOGPROB_TOL
 
 
-@pytest.mark.slow
+@pytest.mark.vllm
 def test_seeds_stop_tokens_stop_strings_and_length(vllm_results: dict) -> None:
     seed = vllm_results["seed"]
     assert seed["same_equal"] is True
@@ -91,7 +91,7 @@ def test_seeds_stop_tokens_stop_strings_and_length(vllm_results: dict) -> None:
     assert vllm_results["length"] == {"n": 7, "finish": "length"}
 
 
-@pytest.mark.slow
+@pytest.mark.vllm
 def test_bad_input_is_a_clear_error_and_loses_nothing(vllm_results: dict) -> None:
     errors = vllm_results["errors"]
     assert errors["empty_prompt"].startswith("EngineError") and "empty" in errors["empty_prompt"]
@@ -101,7 +101,7 @@ def test_bad_input_is_a_clear_error_and_loses_nothing(vllm_results: dict) -> Non
     assert vllm_results["closed_error"].startswith("EngineError") and "closed" in vllm_results["closed_error"]
 
 
-@pytest.mark.slow
+@pytest.mark.vllm
 def test_update_weights_gives_the_new_policy_logprobs(vllm_results: dict) -> None:
     r = vllm_results
     assert r["weight_update_mode"] == ("reload" if r["on_cpu"] else "load_weights")
@@ -123,7 +123,7 @@ def test_update_weights_gives_the_new_policy_logprobs(vllm_results: dict) -> Non
     assert r["drain_new_diff"] < LOGPROB_TOL
 
 
-@pytest.mark.slow
+@pytest.mark.vllm
 def test_cancelled_request_is_aborted_and_the_engine_keeps_serving(vllm_results: dict) -> None:
     r = vllm_results
     assert r["cancelled"] is True
@@ -131,7 +131,7 @@ def test_cancelled_request_is_aborted_and_the_engine_keeps_serving(vllm_results:
     assert r["unfinished_after_cancel"] == 0 and r["pending_after_cancel"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.vllm
 def test_the_update_checks_can_fail(vllm_results: dict) -> None:
     """Without the prefix-cache reset the log-probs go stale: the update checks above can fail.
 
@@ -145,7 +145,7 @@ def test_the_update_checks_can_fail(vllm_results: dict) -> None:
     assert isinstance(r["no_lm_head_fix_diff"], float)
 
 
-@pytest.mark.slow
+@pytest.mark.vllm
 def test_episodes_on_vllm_keep_token_invariants(vllm_results: dict) -> None:
     """Multi-turn episodes with real tools, sampled by VLLMEngine, collated by agent_env.rollout:
     mask=1 spans are exactly vLLM's ids and log-probs, mask=0 spans exactly the template's

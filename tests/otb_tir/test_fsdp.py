@@ -216,7 +216,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.slow
+@pytest.mark.fsdp
 def test_two_ranks_take_the_one_process_steps(runs, tmp_path, tiny_model_dir):
     """(a) After step 1 (uninterrupted) and step 2 (after kill + resume) the FSDP2 parameters equal
     the one-process ones (fp32), and every metric computed over all ranks' rows equals the
@@ -248,7 +248,7 @@ def test_two_ranks_take_the_one_process_steps(runs, tmp_path, tiny_model_dir):
         assert x["actor/grad_norm"] > 0 and x["advantages/std"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.fsdp
 def test_killed_run_resumes_at_the_next_step(runs):
     """(b) Every rank dies right after the step-1 checkpoint; the resumed run continues at step 2
     from the DCP shards, the data cursor and every rank's RNG (its step-2 weights and metrics are
@@ -263,7 +263,7 @@ def test_killed_run_resumes_at_the_next_step(runs):
     assert state["cursor"] == {"epoch": 0, "position": 4} and state["step"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.fsdp
 def test_final_folder_is_a_plain_hf_model_with_the_trained_weights(runs, tmp_path):
     """(c) final/ (written by rank 0 from its engine copy) loads with from_pretrained and holds the
     weights of the last sharded update."""
@@ -277,7 +277,7 @@ def test_final_folder_is_a_plain_hf_model_with_the_trained_weights(runs, tmp_pat
     assert summary["world_size"] == 2 and summary["final_model"] == str(out["B"] / "final")
 
 
-@pytest.mark.slow
+@pytest.mark.fsdp
 def test_eval_split_over_ranks_matches_one_process(runs):
     """Held-out episodes split over the ranks (3 items: 2 + 1) and gathered give the one-process
     before/after figures; the resumed run reuses the before-figures of the killed one."""

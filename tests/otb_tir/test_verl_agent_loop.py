@@ -111,6 +111,7 @@ def _gen_batch(vcfg, tokenizer, n_prompts: int, n: int):
     return batch.repeat(repeat_times=n, interleave=True), rows
 
 
+@pytest.mark.verl
 def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model_dir, tiny_tokenizer):
     from agent_env.data import load_parquet
     from otb_tir.verl.agent_loop import close_cached_tools
@@ -252,6 +253,7 @@ def test_server_manager_engine_contract():
                     .generate([5], params))
 
 
+@pytest.mark.verl
 def test_prompt_longer_than_verls_budget_is_skipped_not_truncated(verl_setup, tiny_model_dir, tiny_tokenizer):
     """verl would left-truncate a prompt the policy never saw; we return an empty, reward-0 row."""
     from otb_tir.verl.agent_loop import close_cached_tools

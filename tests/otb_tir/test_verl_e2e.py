@@ -23,7 +23,7 @@ CHECKS = Path(__file__).with_name("verl_cpu_checks.py")
 SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4", "eval.before=false",
          "eval.after=false", "verl.phase_timeout_s=300"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.verl]
 
 
 def _verl_python() -> str:

@@ -172,7 +172,7 @@ def check_tool_caller(model, tokenizer, *, episodes: int = 16, temperature: floa
     from agent_env.engines.hf import HFEngine
     from agent_env.rollout import rollout_async, run_sync
 
-    cfg = EpisodeConfig(max_assistant_turns=max_assistant_turns, max_response_tokens=192,
+    cfg = EpisodeConfig(max_assistant_turns=max_assistant_turns, response_length=192,
                         max_tokens_per_turn=48, temperature=temperature)
     env = AgentEnv(tokenizer, tools=[lookup_tool(reply)], config=cfg)
     engine = HFEngine(model, tokenizer, share_weights=True, seed=seed, stop_at_eos=False)
