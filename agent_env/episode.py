@@ -41,7 +41,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 from agent_env import EnvError
 from agent_env.engines.base import Engine, SamplingParams
 from agent_env.parsers import ParsedCall, get_parser
-from agent_env.reward import RewardConfig, RewardResult, extract_answer, math_reward
+from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer, math_reward
 from agent_env.tool_metrics import MALFORMED_KINDS
 
 logger = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class AgentEnv:
     ``tools`` is a mapping name → :class:`tools.Tool` or a sequence of tools; ``None`` builds the
     tool set of ``config`` with :func:`tools.build_tool_set` (and :meth:`close` closes them).
     ``reward_fn(response_text, ground_truth, trajectory)`` returns a :class:`RewardResult` or a
-    float; the default is :func:`agent_env.reward.math_reward` with ``config.reward``.
+    float; the default is :func:`agent_env.math_task.reward.math_reward` with ``config.reward``.
     """
 
     def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | Sequence[Any] | None = None,

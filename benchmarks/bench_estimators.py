@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*(QUICK if args.quick else []), *args.overrides]
     if args.quick and not any(o.startswith("model.path=") for o in overrides):
         # the smoke run checks the script, not learning: the built-in base tiny model, no SFT warm start
-        from agent_env.tiny import tiny_policy_dir
+        from otb_tir.defaults.tiny import tiny_policy_dir
 
         overrides.append(f"model.path={tiny_policy_dir()}")
     steps = args.steps if args.steps is not None else (2 if args.quick else None)

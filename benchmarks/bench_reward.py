@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Batch reward scoring in ms/sample on ordinary answers: today's bounded scorer
-(:func:`agent_env.reward.math_reward`: plain numbers exactly, math-verify in a killable helper
+(:func:`agent_env.math_task.reward.math_reward`: plain numbers exactly, math-verify in a killable helper
 process) against the reference, the scorer before it (math-verify in the calling thread, every
 answer), measured in the same process on the same responses.
 
@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from agent_env.reward import _normalize_str, _plain_number, extract_answer, extract_boxed, math_reward
+from agent_env.math_task.reward import _normalize_str, _plain_number, extract_answer, extract_boxed, math_reward
 
 # the kinds of answers a math policy writes: integers (the built-in task), fractions, decimals,
 # LaTeX forms, units, expressions; right and wrong

@@ -94,7 +94,7 @@ async def run_engine(kind: str, args) -> dict[str, float]:
     import tools
     from transformers import AutoTokenizer
 
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     path = tiny_policy_dir()
     tok = AutoTokenizer.from_pretrained(path)

@@ -7,7 +7,7 @@
 The model is built locally from ``transformers.Qwen3Config`` (hidden 1024, 28 layers, 16 heads,
 8 KV heads, head dim 128, intermediate 3072, vocab 151936, tied embeddings: Qwen3-0.6B's shape)
 with random weights: nothing is downloaded. The tokenizer (only the chat template and the
-end-of-turn token matter) is the built-in tiny one from ``agent_env.tiny``.
+end-of-turn token matter) is the built-in tiny one from ``otb_tir.defaults.tiny``.
 
 What runs is the local trainer's own step (:meth:`otb_tir.trainer.trainer.Trainer.train_step`):
 HF-engine rollout of multi-turn episodes (one assistant turn of up to ``--response-length``
@@ -141,9 +141,9 @@ def run_check(args) -> dict[str, Any]:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from agent_env import AgentEnv
-    from agent_env.data import make_split
+    from agent_env.math_task.data import make_split
     from agent_env.engines.hf import HFEngine
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
     from otb_tir.trainer.config import load_config
     from otb_tir.trainer.distributed import DistInfo, fsdp_wrap, full_state_dict
     from otb_tir.builders import seed_everything

@@ -47,7 +47,7 @@ def policy_path(cfg: Any) -> Path:
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
         return path
-    from otb_tir.trainer.warm_start import warm_start_policy
+    from otb_tir.defaults.warm_start import warm_start_policy
 
     return Path(warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps,
                                   seed=0))

@@ -8,7 +8,7 @@
 * MATH: a jsonl/json file, or a directory searched recursively for ``*.json``/``*.jsonl``, with
   ``problem`` and ``solution`` (the final answer is the last ``\\boxed{...}`` in the solution).
 * ``--builtin N``: the built-in generator's train split (N problems) and held-out split
-  (``--builtin-test``, default N // 5), see ``agent_env.data``.
+  (``--builtin-test``, default N // 5), see ``agent_env.math_task.data``.
 
 Each output row has verl's columns: ``data_source``, ``prompt`` (one user message),
 ``reward_model`` (``{"style": "rule", "ground_truth": ...}``), ``extra_info`` and ``agent_name``.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from agent_env import EnvError
-from agent_env.data import AGENT_NAME, INSTRUCTION, make_split, write_parquet
+from agent_env.math_task.data import AGENT_NAME, INSTRUCTION, make_split, write_parquet
 from otb_tir import ConfigError
 
 logger = logging.getLogger("prepare_data")

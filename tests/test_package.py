@@ -43,7 +43,7 @@ def venv(tmp_path_factory) -> Path:
     (wheel,) = (work / "dist").glob("otb_tir-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for shipped in ("otb_tir/configs/tir_math_cpu.yaml", "otb_tir/configs/eval_tool_use.yaml",
-                    "otb_tir/verl/configs/agent_loop.yaml", "agent_env/chat_template.jinja"):
+                    "otb_tir/verl/configs/agent_loop.yaml", "otb_tir/defaults/chat_template.jinja"):
         assert shipped in names, f"{shipped} is not in the wheel"
     assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names)
     base = getattr(sys, "_base_executable", None) or sys.executable

@@ -40,7 +40,7 @@ class Prepared:
 
 def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
     from agent_env import EnvError
-    from agent_env.data import load_parquet, make_split
+    from agent_env.math_task.data import load_parquet, make_split
 
     if cfg.data.files:
         missing = [f for f in cfg.data.files if not Path(f).expanduser().is_file()]

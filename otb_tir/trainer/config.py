@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from agent_env.reward import RewardConfig  # the one reward config: the trainer's `reward` section
+from agent_env.math_task.reward import RewardConfig  # the one reward config: the trainer's `reward` section
 from otb_tir import ConfigError
 from otb_tir.config import load_structured
 

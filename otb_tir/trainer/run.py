@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def load_items(cfg) -> tuple[list[dict], list[dict]]:
     """Training and held-out prompts: verl parquet files, or the built-in generator's splits."""
-    from agent_env.data import load_parquet, make_split
+    from agent_env.math_task.data import load_parquet, make_split
 
     if cfg.data.train_files:
         train = [row for f in cfg.data.train_files for row in load_parquet(f)]

@@ -20,7 +20,7 @@ arguments in the agent-loop YAML entry (see ``configs/agent_loop.yaml``): ``otb_
 names for :func:`tools.get_tool`), ``tool_config`` (keyword config per tool), ``tool_config_path``
 (a verl-style tools YAML for :func:`tools.load_tools`, replaces ``otb_tools``),
 ``max_tokens_per_turn``, ``tool_timeout``, ``system_prompt``, ``reward`` (shaping terms of
-:class:`agent_env.reward.RewardConfig`).
+:class:`agent_env.math_task.reward.RewardConfig`).
 
 Sampling: temperature / top-p / top-k come from verl's ``sampling_params`` (so validation's greedy
 ``temperature=0`` works); the episode adds ``max_tokens`` (per-turn cap, within what is left of R)

@@ -187,7 +187,7 @@ def _check_supported(cfg: DictConfig) -> None:
 
 
 def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
-    from agent_env.data import make_split, write_parquet
+    from agent_env.math_task.data import make_split, write_parquet
 
     train = [str(Path(p).expanduser().resolve()) for p in cfg.data.train_files]
     val = [str(Path(p).expanduser().resolve()) for p in cfg.data.val_files]

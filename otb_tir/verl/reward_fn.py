@@ -2,14 +2,14 @@
 own trajectories, so verl only calls this for rows run by another agent loop).
 
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`` returns
-``{"score": reward, "acc": 0/1}`` with :func:`agent_env.reward.math_reward`.
+``{"score": reward, "acc": 0/1}`` with :func:`agent_env.math_task.reward.math_reward`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from agent_env.reward import math_reward
+from agent_env.math_task.reward import math_reward
 
 
 def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None,

@@ -173,7 +173,7 @@ _SMALL = dict(hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, interm
 def test_tiny_policy_publishes_through_the_cache(tmp_path, monkeypatch):
     """tiny_policy_dir: concurrent callers build once; a folder in the old layout (same name, same
     marker) is found without a rebuild; a failed build leaves nothing."""
-    import agent_env.tiny as tiny
+    import otb_tir.defaults.tiny as tiny
 
     real = tiny.build_tiny_tokenizer
     calls = []

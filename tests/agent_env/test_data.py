@@ -12,7 +12,7 @@ import sympy
 from hypothesis import given, settings, strategies as st
 
 from agent_env import EnvError
-from agent_env.data import DATA_SOURCE, KINDS, load_parquet, make_split, write_parquet
+from agent_env.math_task.data import DATA_SOURCE, KINDS, load_parquet, make_split, write_parquet
 
 x = sympy.Symbol("x")
 

@@ -424,7 +424,7 @@ def _tokenizer_with_template(tokenizer, template):
 def test_history_rewriting_template_is_detected(tiny_tokenizer, real_tools):
     """A template that strips reasoning from assistant turns renders something other than what the
     model produced: the mismatch is recorded (or raised), the inserted tokens stay correct."""
-    from agent_env.tiny import chat_template
+    from otb_tir.defaults.tiny import chat_template
 
     stripping = chat_template().replace("{{- text(message.content) -}}",
                                         "{{- text(message.content).split('</think>')[-1] | trim -}}", 1)
@@ -450,7 +450,7 @@ def test_history_rewriting_template_is_detected(tiny_tokenizer, real_tools):
 
 
 def test_non_prefix_preserving_template_raises(tiny_tokenizer, real_tools):
-    from agent_env.tiny import chat_template
+    from otb_tir.defaults.tiny import chat_template
 
     # Marks the last message specially: adding a tool message changes the earlier rendering.
     bad = chat_template().replace("{{- '<|im_end|>\\n' -}}\n    {%- elif message.role == 'tool' -%}",

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_env.reward import RewardConfig, answers_match, extract_answer, extract_boxed, math_reward
+from agent_env.math_task.reward import RewardConfig, answers_match, extract_answer, extract_boxed, math_reward
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent_env.reward import RewardConfig, answers_match, implausible_answer, math_reward
+from agent_env.math_task.reward import RewardConfig, answers_match, implausible_answer, math_reward
 
 NON_MATH = '#@?"`'
 TIMEOUT = 1
@@ -73,7 +73,7 @@ def test_towers_nesting_and_huge_inputs_never_reach_sympy_and_never_score_one(wh
 
 
 def test_ten_thousand_open_boxes_extract_in_linear_time():
-    from agent_env.reward import extract_answer
+    from agent_env.math_task.reward import extract_answer
 
     text = "\\boxed{" * 10_000 + "7"
     assert in_thread(extract_answer, text) == (None, "none")
@@ -83,7 +83,7 @@ def test_ten_thousand_open_boxes_extract_in_linear_time():
 def test_a_hung_comparison_is_abandoned_and_the_next_one_works():
     """The helper process is frozen (SIGSTOP, as a C-level hang in sympy would hold it): the
     caller gets 'timeout' after timeout + grace, and the next comparison runs on a fresh helper."""
-    from agent_env import verify
+    from agent_env.math_task import verify
 
     def scenario():
         assert answers_match("\\frac{2}{4}", "\\sqrt{1/4}", timeout_seconds=TIMEOUT) == (True, "math_verify")

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_env.tiny import (
+from otb_tir.defaults.tiny import (
     IM_END,
     IM_START,
     MARKUP_TOKENS,
@@ -263,7 +263,7 @@ def test_cache_dir_env_and_concurrent_builders(tmp_path, monkeypatch):
     script = textwrap.dedent(
         """
         import sys
-        from agent_env.tiny import tiny_policy_dir
+        from otb_tir.defaults.tiny import tiny_policy_dir
         print(tiny_policy_dir(hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64))
         """
     )

@@ -42,7 +42,7 @@ def vllm_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         if os.environ.get("CI"):
             pytest.fail(msg + " (CI must not skip the vLLM tests)")
         pytest.skip(msg)
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     model_dir = tiny_policy_dir()
     out = tmp_path_factory.mktemp("vllm") / "results.json"

@@ -285,7 +285,7 @@ class ScriptedPolicy:
 
 
 def test_evaluate_on_real_episodes_and_tools(tmp_path, tiny_model_dir, tiny_tokenizer, monkeypatch):
-    from agent_env.data import make_split
+    from agent_env.math_task.data import make_split
     from otb_tir.evaluation import evaluate, summary_text
     from otb_tir.evaluation import run as run_mod
 

@@ -97,7 +97,7 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
     """Trainer._rollout of each rank's block (shard_items, offset) gives the uids and sampled
     tokens of a one-process rollout of the whole batch: every uid group on exactly one rank."""
     from agent_env import AgentEnv
-    from agent_env.data import make_split
+    from agent_env.math_task.data import make_split
     from agent_env.engines.hf import HFEngine
     from agent_env.rollout import run_sync
     from otb_tir.trainer.config import load_config

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agent_env.data import make_split
-from agent_env.tiny import build_tiny_model, tiny_policy_dir
+from agent_env.math_task.data import make_split
+from otb_tir.defaults.tiny import build_tiny_model, tiny_policy_dir
 from otb_tir import ConfigError
 from otb_tir.trainer.sft import SFTConfig, collate, masked_lm_loss, sft_train, tokenize_conversation
-from otb_tir.trainer.warm_start import (TraceMixture, _perturb_number, final_answer_from_result, make_traces,
+from otb_tir.defaults.warm_start import (TraceMixture, _perturb_number, final_answer_from_result, make_traces,
                                         plan_messages, plan_trace, reference_call, tool_schemas)
 
 
@@ -182,7 +182,7 @@ def test_make_traces_use_real_tool_results():
 
 @pytest.mark.slow
 def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatch):
-    from otb_tir.trainer import warm_start
+    from otb_tir.defaults import warm_start
 
     base = tiny_policy_dir()
     path = warm_start.warm_start_policy(tmp_path, steps=3, copy_steps=2, n_traces=12, batch_size=4, warmup_steps=1,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agent_env import AgentEnv
-from agent_env.data import make_split
+from agent_env.math_task.data import make_split
 from agent_env.engines.hf import HFEngine
 from otb_tir.trainer.config import load_config
 from otb_tir.trainer.run import build_optimizer

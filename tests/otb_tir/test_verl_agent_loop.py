@@ -113,7 +113,7 @@ def _gen_batch(vcfg, tokenizer, n_prompts: int, n: int):
 
 @pytest.mark.verl
 def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model_dir, tiny_tokenizer):
-    from agent_env.data import load_parquet
+    from agent_env.math_task.data import load_parquet
     from otb_tir.verl.agent_loop import close_cached_tools
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 

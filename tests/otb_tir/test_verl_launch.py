@@ -76,7 +76,7 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     assert v.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
     assert v.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 4
     # data: the built-in splits as parquet under the run folder
-    from agent_env.data import load_parquet
+    from agent_env.math_task.data import load_parquet
 
     assert len(load_parquet(v.data.train_files[0])) == 12 and len(load_parquet(v.data.val_files[0])) == 4
     assert all(Path(p).parent == out / "data" for p in [*v.data.train_files, *v.data.val_files])

@@ -11,11 +11,11 @@ from fractions import Fraction
 import pytest
 import sympy
 
-from agent_env.data import KINDS, make_split
+from agent_env.math_task.data import KINDS, make_split
 from agent_env.engines.base import GenerationOutput
 from otb_tir import ConfigError
-from otb_tir.trainer import warm_start
-from otb_tir.trainer.warm_start import (DEFAULT_TOOL_SHARE, TraceMixture, WarmStartSettings, _breakdown,
+from otb_tir.defaults import warm_start
+from otb_tir.defaults.warm_start import (DEFAULT_TOOL_SHARE, TraceMixture, WarmStartSettings, _breakdown,
                                         final_answer_from_result, make_traces, plan_trace, reference_call)
 
 
@@ -123,7 +123,7 @@ def test_breakdown_counts():
     dict(mixture=TraceMixture(tool=0, python=0, wrong_tool=0, guess=1, tool_share={"mul": 0.5})),
 ])
 def test_bad_settings_raise_config_error(bad, tmp_path, monkeypatch):
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     monkeypatch.setattr(warm_start, "make_traces", lambda *a, **k: pytest.fail("worked on bad settings"))
     with pytest.raises(ConfigError):
@@ -138,7 +138,7 @@ def test_base_without_config_raises(tmp_path):
 
 def test_cache_key_same_settings_same_folder(tmp_path, monkeypatch):
     """Same settings → the cached folder is reused (no training); a different setting → a new folder."""
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     base = tiny_policy_dir()
     kw = dict(steps=2, copy_steps=1, n_traces=6, batch_size=3, warmup_steps=1, base=base, progress=False)
@@ -160,7 +160,7 @@ def test_default_settings_are_valid():
 def test_copy_phase_trains_on_tool_call_traces_only(tmp_path, monkeypatch):
     """Phase 1 (``copy_steps``) sees exactly the traces with a tool call, phase 2 all of them;
     the recorded loss curve covers both phases."""
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     base = tiny_policy_dir()
     seen = []
@@ -191,7 +191,7 @@ def test_copy_phase_trains_on_tool_call_traces_only(tmp_path, monkeypatch):
 
 
 def test_copy_phase_needs_tool_traces(tmp_path, monkeypatch):
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     monkeypatch.setattr(warm_start, "make_traces", lambda *a, **k: pytest.fail("worked on bad settings"))
     with pytest.raises(ConfigError, match="copy_steps"):
@@ -303,7 +303,7 @@ def test_warm_start_publishes_through_the_cache(tmp_path, monkeypatch):
     a build that fails mid-training publishes nothing (no folder, temporary or lock file left)."""
     import threading
 
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     base = tiny_policy_dir()
     kw = dict(steps=2, copy_steps=1, n_traces=6, batch_size=3, warmup_steps=1, base=base, progress=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_env.data import load_parquet, make_split
+from agent_env.math_task.data import load_parquet, make_split
 from otb_tir import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

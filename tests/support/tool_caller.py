@@ -5,13 +5,13 @@ rollouts and eval: with this policy every assistant turn is (deterministically, 
 temperature 1) ``<tool_call>\\n{"name": "lookup", "arguments": {"query": "otb"}}\\n</tool_call>``,
 whatever the tool answered before.
 
-It is the built-in tiny Qwen3 policy (:func:`agent_env.tiny.tiny_policy_dir`) after a short SFT
+It is the built-in tiny Qwen3 policy (:func:`otb_tir.defaults.tiny.tiny_policy_dir`) after a short SFT
 (:func:`otb_tir.trainer.sft.sft_train`) on conversations rendered with ``tools=[LOOKUP_SCHEMA]``:
 the built-in task's train prompts, then three such assistant turns with varied tool responses
 between them. The build checks the result with real episodes (:class:`agent_env.AgentEnv` +
 :class:`agent_env.engines.hf.HFEngine`) on held-out prompts before publishing the folder to the
 cache (``<cache root>/tool-caller-<hash of the build settings>``) with
-:func:`agent_env.cache.publish`, like :func:`agent_env.tiny.tiny_policy_dir`.
+:func:`agent_env.cache.publish`, like :func:`otb_tir.defaults.tiny.tiny_policy_dir`.
 
 Typical use::
 
@@ -105,7 +105,7 @@ def _tool_response(rng: random.Random) -> str:
 def training_conversations(n: int, seed: int = 0, turns: int = 3) -> list[list[dict[str, Any]]]:
     """``n`` conversations: a built-in train prompt, then ``turns`` lookup calls with tool
     responses between them (none after the last call)."""
-    from agent_env.data import make_split
+    from agent_env.math_task.data import make_split
 
     rng = random.Random(f"tool-caller:{seed}")
     out = []
@@ -168,7 +168,7 @@ def check_tool_caller(model, tokenizer, *, episodes: int = 16, temperature: floa
     with an :class:`~agent_env.engines.hf.HFEngine` over ``model`` and return
     :func:`lookup_call_figures` of them."""
     from agent_env import AgentEnv, EpisodeConfig
-    from agent_env.data import make_split
+    from agent_env.math_task.data import make_split
     from agent_env.engines.hf import HFEngine
     from agent_env.rollout import rollout_async, run_sync
 
@@ -199,7 +199,7 @@ def tool_caller_policy(cache_root: Path | None = None, *, settings: ToolCallerSe
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_env.cache import artifact_dir, publish
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
     from otb_tir.trainer.sft import SFTConfig, sft_train, tokenize_conversation
 
     s = settings or ToolCallerSettings()

@@ -18,7 +18,7 @@ Comparison, bounded on every thread (a model's output reaches it unfiltered):
    factorial of 5 or more digits — never reaches sympy: it is compared as a normalized string
    (so ``e^{x^2}`` still equals ``e^{x^2}``, and garbage never equals a short gold answer);
 3. otherwise math-verify (sympy: ``1/2`` = ``0.5``, ``x=3`` = ``3``, ``(x+1)^2`` = ``x^2+2x+1``
-   …) runs in a killable helper process (:mod:`agent_env.verify`): past ``timeout_seconds`` + 0.5 s
+   …) runs in a killable helper process (:mod:`agent_env.math_task.verify`): past ``timeout_seconds`` + 0.5 s
    the comparison is abandoned (not equal, ``comparison = "timeout"``) on the main thread, a worker
    thread or a Ray actor alike. When math-verify cannot parse one side, normalized strings are compared.
 """
@@ -230,7 +230,7 @@ def answers_match(pred: str, gold: str, *, timeout_seconds: int = 5) -> tuple[bo
     answer was not plausible math), ``"timeout"`` (math-verify did not finish in time: not equal).
     Never takes longer than ``timeout_seconds`` + 0.5 s once the helper process runs.
     """
-    from agent_env.verify import VerifyTimeout, verify_in_child
+    from agent_env.math_task.verify import VerifyTimeout, verify_in_child
 
     fp, fg = _plain_number(pred), _plain_number(gold)
     if fp is not None and fg is not None:

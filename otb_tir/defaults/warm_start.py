@@ -16,7 +16,7 @@ The mixture deliberately leaves the policy *inconsistent* at using tools, so tha
 improve it. :func:`warm_start_policy` trains briefly on CPU, in two phases (``copy_steps`` on the
 tool-call traces only, where the policy learns to copy the question into its calls, then
 ``steps`` on the whole mixture), and caches the result under the user's
-cache directory keyed by every setting; ``python -m otb_tir.trainer.warm_start --check`` builds it
+cache directory keyed by every setting; ``python -m otb_tir.defaults.warm_start --check`` builds it
 and prints its tool-call rate and held-out accuracy with and without tool execution, read from the
 tool-use evaluation's episodes (``AgentEnv``, the real tools; :func:`evaluate_tool_use`).
 """
@@ -81,7 +81,7 @@ class TraceMixture:
             raise ConfigError(f"trace mixture weights must be >= 0 with a positive sum, got {self}")
         if not 0 <= self.guess_right <= 1:
             raise ConfigError(f"guess_right must be in [0, 1], got {self.guess_right}")
-        from agent_env.data import KINDS
+        from agent_env.math_task.data import KINDS
 
         for kind, share in self.tool_share.items():
             if kind not in KINDS:
@@ -216,7 +216,7 @@ async def _run_plans(plans: list[_Plan], concurrency: int = 8) -> None:
 
 def make_traces(n: int, seed: int = 0, mixture: TraceMixture | None = None) -> list[list[dict[str, Any]]]:
     """``n`` SFT conversations on built-in *train* problems, tool results from the real tools."""
-    from agent_env.data import make_split
+    from agent_env.math_task.data import make_split
 
     mixture = mixture or TraceMixture()
     mixture.validate()
@@ -262,7 +262,7 @@ class WarmStartSettings:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"warm start min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         self.mixture.validate()
-        from agent_env.data import KINDS
+        from agent_env.math_task.data import KINDS
 
         if self.copy_steps and not any(self.mixture.mode_weights(k)["guess"] < 1 for k in KINDS):
             raise ConfigError("copy_steps > 0 needs a mixture with tool-call traces (every kind only guesses); "
@@ -279,7 +279,7 @@ class WarmStartSettings:
                        warmup_steps=min(self.warmup_steps, self.copy_steps - 1), min_lr_ratio=1.0)
 
     def base_model_overrides(self) -> dict[str, int]:
-        """Keyword arguments of ``agent_env.tiny.tiny_policy_dir`` for this base size."""
+        """Keyword arguments of ``otb_tir.defaults.tiny.tiny_policy_dir`` for this base size."""
         return {"hidden_size": self.hidden_size, "layers": self.layers, "heads": self.hidden_size // 64,
                 "kv_heads": max(1, self.hidden_size // 128), "head_dim": 64,
                 "intermediate_size": 3 * self.hidden_size}
@@ -299,12 +299,12 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     ``$OTB_TIR_CACHE`` or ``~/.cache/otb_tir``) by :func:`agent_env.cache.publish` (one build under
     a lock, written to a temporary sibling and renamed into place). ``base`` is the folder to start
     from (default: the built-in tiny model of ``hidden_size`` × ``layers``,
-    ``agent_env.tiny.tiny_policy_dir(cache_dir, ...)``). A ``otb_tir_warm_start.json`` in the
+    ``otb_tir.defaults.tiny.tiny_policy_dir(cache_dir, ...)``). A ``otb_tir_warm_start.json`` in the
     folder records the settings, the loss curve and the build times. Bad settings raise
     :class:`ConfigError` before any work.
     """
     from agent_env.cache import artifact_dir, publish
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
 
     given = {"steps": steps, "copy_steps": copy_steps, "n_traces": n_traces, "batch_size": batch_size, "lr": lr,
              "hidden_size": hidden_size, "layers": layers, "warmup_steps": warmup_steps}
@@ -497,7 +497,7 @@ def evaluate_tool_use(path: str | os.PathLike, items: list[dict[str, Any]], *, t
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from agent_env.data import make_split
+    from agent_env.math_task.data import make_split
 
     ap = argparse.ArgumentParser(description="Build (or reuse) the cached warm-start policy and check it.")
     d = WarmStartSettings()

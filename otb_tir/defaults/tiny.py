@@ -8,7 +8,7 @@ this file) is Qwen2.5-style: tools in the system prompt, ``<tool_call>`` JSON in
 
 Typical use::
 
-    from agent_env.tiny import tiny_policy_dir
+    from otb_tir.defaults.tiny import tiny_policy_dir
     path = tiny_policy_dir()                      # built once, cached on disk (agent_env.cache)
     tok = AutoTokenizer.from_pretrained(path)     # works offline; vLLM can load it too
     model = AutoModelForCausalLM.from_pretrained(path)
