@@ -10,5 +10,15 @@ class EnvError(Exception):
 from agent_env.episode import AgentEnv, EpisodeConfig, ToolCallRecord, Trajectory, TurnRecord  # noqa: E402
 from agent_env.rollout import RolloutBatch, collate, rollout, rollout_async  # noqa: E402
 
-__all__ = ["EnvError", "AgentEnv", "EpisodeConfig", "Trajectory", "TurnRecord", "ToolCallRecord",
-           "RolloutBatch", "collate", "rollout", "rollout_async"]
+__all__ = [
+    "EnvError",
+    "AgentEnv",
+    "EpisodeConfig",
+    "Trajectory",
+    "TurnRecord",
+    "ToolCallRecord",
+    "RolloutBatch",
+    "collate",
+    "rollout",
+    "rollout_async",
+]

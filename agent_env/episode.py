@@ -40,8 +40,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from agent_env import EnvError
 from agent_env.engines.base import Engine, SamplingParams
-from agent_env.parsers import ParsedCall, get_parser
 from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer, math_reward
+from agent_env.parsers import ParsedCall, get_parser
 from agent_env.tool_metrics import MALFORMED_KINDS
 
 logger = logging.getLogger(__name__)
@@ -51,17 +51,22 @@ __all__ = ["EpisodeConfig", "ToolCallRecord", "TurnRecord", "Trajectory", "Agent
 FINISH_REASONS = ("answer", "void_turn", "max_turns", "length", "turn_length", "tool_overflow", "abort")
 
 
-
 # Old field names of EpisodeConfig → verl's (the names of the trainer's config sections).
-_RENAMED = {"parser": "format", "max_response_tokens": "response_length",
-            "max_tool_response_tokens": "max_tool_response_length"}
+_RENAMED = {
+    "parser": "format",
+    "max_response_tokens": "response_length",
+    "max_tool_response_tokens": "max_tool_response_length",
+}
 
 
 def _renamed(kwargs: dict[str, Any]) -> dict[str, Any]:
     for old, new in _RENAMED.items():
         if old in kwargs:
-            warnings.warn(f"EpisodeConfig({old}=...) is deprecated: use {new}= (verl's name, as in the config)",
-                          DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                f"EpisodeConfig({old}=...) is deprecated: use {new}= (verl's name, as in the config)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             if new in kwargs:
                 raise EnvError(f"EpisodeConfig got both {old}= (deprecated) and {new}=")
             kwargs[new] = kwargs.pop(old)
@@ -122,8 +127,9 @@ class EpisodeConfig:
 
     def __getattr__(self, name: str) -> Any:  # the deprecated field names, read
         if name in _RENAMED:
-            warnings.warn(f"EpisodeConfig.{name} is deprecated: use .{_RENAMED[name]}", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"EpisodeConfig.{name} is deprecated: use .{_RENAMED[name]}", DeprecationWarning, stacklevel=2
+            )
             return getattr(self, _RENAMED[name])
         raise AttributeError(name)
 
@@ -132,14 +138,20 @@ class EpisodeConfig:
             return EnvError(f"invalid episode config: {msg}")
 
         get_parser(self.format)
-        for name in ("max_assistant_turns", "response_length", "max_tokens_per_turn",
-                     "max_tool_response_length", "max_parallel_calls"):
+        for name in (
+            "max_assistant_turns",
+            "response_length",
+            "max_tokens_per_turn",
+            "max_tool_response_length",
+            "max_parallel_calls",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(f"{name} must be a positive integer, got {v!r}")
         if self.tool_response_truncate_side not in ("head", "tail", "middle"):
-            raise bad(f"tool_response_truncate_side must be head, tail or middle, got "
-                      f"{self.tool_response_truncate_side!r}")
+            raise bad(
+                f"tool_response_truncate_side must be head, tail or middle, got {self.tool_response_truncate_side!r}"
+            )
         if self.tool_timeout is not None and not self.tool_timeout > 0:
             raise bad(f"tool_timeout must be positive or None, got {self.tool_timeout!r}")
         if not self.temperature >= 0:
@@ -190,8 +202,17 @@ class EpisodeConfig:
 
 
 _ROLLOUT_KEYS = ("response_length", "max_tokens_per_turn", "temperature", "top_p", "top_k")
-_MULTI_TURN_KEYS = ("format", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
-                    "max_parallel_calls", "tools", "tool_config", "tool_config_path", "tool_timeout")
+_MULTI_TURN_KEYS = (
+    "format",
+    "max_assistant_turns",
+    "max_tool_response_length",
+    "tool_response_truncate_side",
+    "max_parallel_calls",
+    "tools",
+    "tool_config",
+    "tool_config_path",
+    "tool_timeout",
+)
 
 
 def _section_has(section: Any, key: str) -> bool:
@@ -308,9 +329,12 @@ class _Activity:
     def summary(self) -> dict[str, float]:
         self._tick()
         total = self.generating + self.waiting_on_tools + self.idle
-        return {"generating_s": self.generating, "waiting_on_tools_s": self.waiting_on_tools,
-                "idle_s": self.idle,
-                "gen_waited_on_tools_frac": self.waiting_on_tools / total if total > 0 else 0.0}
+        return {
+            "generating_s": self.generating,
+            "waiting_on_tools_s": self.waiting_on_tools,
+            "idle_s": self.idle,
+            "gen_waited_on_tools_frac": self.waiting_on_tools / total if total > 0 else 0.0,
+        }
 
 
 RewardFn = Callable[[str, Any, "Trajectory"], "RewardResult | float"]
@@ -325,8 +349,13 @@ class AgentEnv:
     float; the default is :func:`agent_env.math_task.reward.math_reward` with ``config.reward``.
     """
 
-    def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | Sequence[Any] | None = None,
-                 config: EpisodeConfig | None = None, reward_fn: RewardFn | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: Mapping[str, Any] | Sequence[Any] | None = None,
+        config: EpisodeConfig | None = None,
+        reward_fn: RewardFn | None = None,
+    ) -> None:
         self.config = config or EpisodeConfig()
         self.config.validate()
         self.tokenizer = tokenizer
@@ -346,21 +375,27 @@ class AgentEnv:
         else:
             self.tools = {t.name: t for t in tools}
         if self.config.format == "code_block" and "python" not in self.tools:
-            raise EnvError("the code_block parser runs code with the 'python' tool, which is not among "
-                           f"the episode's tools {sorted(self.tools)}")
+            raise EnvError(
+                "the code_block parser runs code with the 'python' tool, which is not among "
+                f"the episode's tools {sorted(self.tools)}"
+            )
         self.reward_fn = reward_fn
         self._tool_schemas = [t.schema() for t in self.tools.values()] or None
         self._template_name = f"the chat template of tokenizer {getattr(tokenizer, 'name_or_path', '?')!r}"
         if not getattr(tokenizer, "chat_template", None):
-            raise EnvError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
-                           "set tokenizer.chat_template to a Jinja template with tool support")
+            raise EnvError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+                "set tokenizer.chat_template to a Jinja template with tool support"
+            )
         if self.config.stop_token_ids is not None:
             self.stop_ids = list(self.config.stop_token_ids)
         else:
             eos = tokenizer.eos_token_id
             if eos is None:
-                raise EnvError("the tokenizer has no eos token; set EpisodeConfig.stop_token_ids to the "
-                               "token that ends an assistant turn (e.g. <|im_end|>)")
+                raise EnvError(
+                    "the tokenizer has no eos token; set EpisodeConfig.stop_token_ids to the "
+                    "token that ends an assistant turn (e.g. <|im_end|>)"
+                )
             self.stop_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
         self._closing = self._assistant_closing()
         self._special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -370,8 +405,12 @@ class AgentEnv:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=self._tool_schemas, add_generation_prompt=add_generation_prompt,
-                tokenize=False, **self.config.chat_template_kwargs)
+                messages,
+                tools=self._tool_schemas,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **self.config.chat_template_kwargs,
+            )
         except Exception as e:  # jinja TemplateError and friends
             raise EnvError(f"{self._template_name} failed to render the conversation: {e}") from e
         if not isinstance(text, str):
@@ -391,7 +430,7 @@ class AgentEnv:
         i = text.rfind(sentinel)
         if i < 0:
             raise EnvError(f"{self._template_name} does not render assistant message content")
-        return text[i + len(sentinel):]
+        return text[i + len(sentinel) :]
 
     def initial_messages(self, prompt: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(prompt, str):
@@ -419,10 +458,10 @@ class AgentEnv:
             if cfg.tool_response_truncate_side == "head":
                 return self.decode(ids[:keep]) + marker
             if cfg.tool_response_truncate_side == "tail":
-                return marker + self.decode(ids[n - keep:] if keep else [])
+                return marker + self.decode(ids[n - keep :] if keep else [])
             head = (keep + 1) // 2
             tail = keep - head
-            return self.decode(ids[:head]) + marker + self.decode(ids[n - tail:] if tail else [])
+            return self.decode(ids[:head]) + marker + self.decode(ids[n - tail :] if tail else [])
 
         out = build(keep)
         # Re-tokenizing at the cut (or a split multi-byte character) can cost a token or two:
@@ -445,16 +484,21 @@ class AgentEnv:
         try:
             res = await asyncio.wait_for(tool.call(args, session_id=session_id), self.config.tool_timeout)
         except asyncio.TimeoutError:
-            res = ToolResult(f"Error: tool '{tool.name}' timed out after {self.config.tool_timeout:g} s.",
-                             ok=False, error=ErrorKind.TIMEOUT)
+            res = ToolResult(
+                f"Error: tool '{tool.name}' timed out after {self.config.tool_timeout:g} s.",
+                ok=False,
+                error=ErrorKind.TIMEOUT,
+            )
         except Exception as e:  # noqa: BLE001 - a tool failure is an observation, never an exception
-            res = ToolResult(f"Error: tool '{tool.name}' failed: {type(e).__name__}: {e}", ok=False,
-                             error=ErrorKind.RUNTIME)
+            res = ToolResult(
+                f"Error: tool '{tool.name}' failed: {type(e).__name__}: {e}", ok=False, error=ErrorKind.RUNTIME
+            )
         res.metrics.setdefault("latency_ms", (time.perf_counter() - t0) * 1000)
         return res
 
-    async def _run_call(self, pc: ParsedCall, session_id: str, sem: asyncio.Semaphore,
-                        activity: _Activity | None) -> ToolCallRecord:
+    async def _run_call(
+        self, pc: ParsedCall, session_id: str, sem: asyncio.Semaphore, activity: _Activity | None
+    ) -> ToolCallRecord:
         rec = ToolCallRecord(name=pc.name, arguments=pc.arguments, raw=pc.raw)
         if pc.error is not None:
             rec.error, text = pc.error, f"Error: {pc.error_message}"
@@ -480,9 +524,17 @@ class AgentEnv:
 
     # ------------------------------------------------------------------ the episode
 
-    async def run(self, engine: Engine, prompt: str | Sequence[Mapping[str, Any]], *, uid: str | None = None,
-                  ground_truth: Any = None, seed: int | None = None, sample_index: int = 0,
-                  activity: _Activity | None = None) -> Trajectory:
+    async def run(
+        self,
+        engine: Engine,
+        prompt: str | Sequence[Mapping[str, Any]],
+        *,
+        uid: str | None = None,
+        ground_truth: Any = None,
+        seed: int | None = None,
+        sample_index: int = 0,
+        activity: _Activity | None = None,
+    ) -> Trajectory:
         """Run one episode with ``engine`` and return its :class:`Trajectory`."""
         cfg = self.config
         t_start = time.perf_counter()
@@ -493,8 +545,10 @@ class AgentEnv:
         prompt_text = self.render(messages, add_generation_prompt=True)
         prompt_ids = self.encode(prompt_text)
         if self.decode(prompt_ids) != prompt_text:
-            raise EnvError(f"the tokenizer does not round-trip the prompt rendered by {self._template_name}: "
-                           "decode(encode(text)) != text, so token-in-token-out cannot be guaranteed")
+            raise EnvError(
+                f"the tokenizer does not round-trip the prompt rendered by {self._template_name}: "
+                "decode(encode(text)) != text, so token-in-token-out cannot be guaranteed"
+            )
         resp: list[int] = []
         mask: list[int] = []
         logps: list[float] = []
@@ -511,9 +565,13 @@ class AgentEnv:
                     finish = "length"
                     break
                 params = SamplingParams(
-                    max_tokens=min(cfg.max_tokens_per_turn, remaining), temperature=cfg.temperature,
-                    top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=list(self.stop_ids),
-                    seed=None if seed is None else seed * 1000 + t)
+                    max_tokens=min(cfg.max_tokens_per_turn, remaining),
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    stop_token_ids=list(self.stop_ids),
+                    seed=None if seed is None else seed * 1000 + t,
+                )
                 g0 = time.perf_counter()
                 if activity:
                     activity.enter("gen")
@@ -525,8 +583,10 @@ class AgentEnv:
                 timings["generate_s"] += time.perf_counter() - g0
                 ids = list(out.token_ids)
                 if len(out.logprobs) != len(ids) or len(ids) > params.max_tokens:
-                    raise EnvError(f"engine {type(engine).__name__} broke the Engine contract: "
-                                   f"{len(ids)} tokens, {len(out.logprobs)} log-probs, max_tokens={params.max_tokens}")
+                    raise EnvError(
+                        f"engine {type(engine).__name__} broke the Engine contract: "
+                        f"{len(ids)} tokens, {len(out.logprobs)} log-probs, max_tokens={params.max_tokens}"
+                    )
                 start = len(resp)
                 resp += ids
                 mask += [1] * len(ids)
@@ -540,8 +600,16 @@ class AgentEnv:
                 content = self.decode(ids[:-1]) if strip_last else text
                 calls = self.parser.parse(content)
                 answer, _ = extract_answer(content)
-                turn = TurnRecord(index=t, start=start, end=len(resp), obs_start=len(resp), obs_end=len(resp),
-                                  text=text, engine_finish_reason=out.finish_reason, has_answer=answer is not None)
+                turn = TurnRecord(
+                    index=t,
+                    start=start,
+                    end=len(resp),
+                    obs_start=len(resp),
+                    obs_end=len(resp),
+                    text=text,
+                    engine_finish_reason=out.finish_reason,
+                    has_answer=answer is not None,
+                )
                 turn.void = not calls and answer is None
                 turns.append(turn)
                 messages.append({"role": "assistant", "content": content})
@@ -555,8 +623,9 @@ class AgentEnv:
                     finish = "answer" if answer is not None else "void_turn"
                     break
                 if t == cfg.max_assistant_turns - 1:
-                    turn.tool_calls = [ToolCallRecord(name=c.name, arguments=c.arguments, raw=c.raw, error=c.error)
-                                       for c in calls]
+                    turn.tool_calls = [
+                        ToolCallRecord(name=c.name, arguments=c.arguments, raw=c.raw, error=c.error) for c in calls
+                    ]
                     finish = "max_turns"
                     break
                 # ---- run the calls (concurrently, capped), then insert their results
@@ -598,40 +667,59 @@ class AgentEnv:
 
         all_calls = [c for tr in turns for c in tr.tool_calls]
         traj = Trajectory(
-            uid=uid, prompt_ids=prompt_ids, response_ids=resp, response_mask=mask, rollout_logprobs=logps,
-            turns=turns, messages=messages, reward=0.0, reward_details={}, finish_reason=finish,
-            num_turns=len(turns), void_turns=sum(tr.void for tr in turns),
+            uid=uid,
+            prompt_ids=prompt_ids,
+            response_ids=resp,
+            response_mask=mask,
+            rollout_logprobs=logps,
+            turns=turns,
+            messages=messages,
+            reward=0.0,
+            reward_details={},
+            finish_reason=finish,
+            num_turns=len(turns),
+            void_turns=sum(tr.void for tr in turns),
             malformed_calls=sum(c.error in MALFORMED_KINDS for c in all_calls),
-            num_tool_calls=len(all_calls), tool_errors=sum(c.executed and not c.ok for c in all_calls),
-            template_mismatch=mismatch, timings=timings, ground_truth=ground_truth, sample_index=sample_index)
+            num_tool_calls=len(all_calls),
+            tool_errors=sum(c.executed and not c.ok for c in all_calls),
+            template_mismatch=mismatch,
+            timings=timings,
+            ground_truth=ground_truth,
+            sample_index=sample_index,
+        )
         r0 = time.perf_counter()
         self._score(traj)
         timings["reward_s"] = time.perf_counter() - r0
         timings["wall_s"] = time.perf_counter() - t_start
         return traj
 
-    def _delta(self, stream_ids: list[int], messages: list[dict[str, Any]],
-               obs: list[dict[str, Any]]) -> tuple[str, str | None]:
+    def _delta(
+        self, stream_ids: list[int], messages: list[dict[str, Any]], obs: list[dict[str, Any]]
+    ) -> tuple[str, str | None]:
         """The inserted text for ``obs`` (+ the next assistant header), and a mismatch note or None."""
         text_a = self.render(messages, add_generation_prompt=False)
         text_b = self.render(messages + obs, add_generation_prompt=True)
         if not text_b.startswith(text_a):
-            raise EnvError(f"{self._template_name} is not prefix-preserving: adding tool messages changed the "
-                           f"rendering of the earlier conversation ({_describe_mismatch(text_a, text_b)}); "
-                           "token-in-token-out needs a template that only appends")
+            raise EnvError(
+                f"{self._template_name} is not prefix-preserving: adding tool messages changed the "
+                f"rendering of the earlier conversation ({_describe_mismatch(text_a, text_b)}); "
+                "token-in-token-out needs a template that only appends"
+            )
         stream = self.decode(stream_ids)
         if text_a.startswith(stream):
-            return text_b[len(stream):], None
+            return text_b[len(stream) :], None
         # The template renders the assistant turn differently from what was sampled: insert the
         # template's closing of the turn (minus the stop token the model sampled) + the new messages.
         closing = self._closing
         eos_text = self.decode(stream_ids[-1:])
-        rest = closing[len(eos_text):] if closing.startswith(eos_text) else closing
-        return rest + text_b[len(text_a):], _describe_mismatch(stream, text_a)
+        rest = closing[len(eos_text) :] if closing.startswith(eos_text) else closing
+        return rest + text_b[len(text_a) :], _describe_mismatch(stream, text_a)
 
     def _on_mismatch(self, note: str) -> None:
-        msg = (f"{self._template_name} renders the conversation differently from the tokens the model "
-               f"produced ({note}); the trajectory keeps the model's tokens and is flagged template_mismatch")
+        msg = (
+            f"{self._template_name} renders the conversation differently from the tokens the model "
+            f"produced ({note}); the trajectory keeps the model's tokens and is flagged template_mismatch"
+        )
         if self.config.on_template_mismatch == "error":
             raise EnvError(msg)
         logger.warning(msg)
@@ -640,7 +728,7 @@ class AgentEnv:
         # Score only what the model wrote (tool outputs are not its answer), without stop tokens.
         parts = []
         for tr in traj.turns:
-            ids = traj.response_ids[tr.start:tr.end]
+            ids = traj.response_ids[tr.start : tr.end]
             if ids and (ids[-1] in self.stop_ids or ids[-1] in self._special_ids):
                 ids = ids[:-1]
             parts.append(self.decode(ids))
@@ -676,4 +764,4 @@ def _describe_mismatch(a: str, b: str) -> str:
         if x != y:
             break
         n += 1
-    return f"first difference at character {n}: {a[n:n + 40]!r} vs {b[n:n + 40]!r}"
+    return f"first difference at character {n}: {a[n : n + 40]!r} vs {b[n : n + 40]!r}"

@@ -44,8 +44,7 @@ class ParsedCall:
 class ToolCallParser(Protocol):
     name: str
 
-    def parse(self, text: str) -> list[ParsedCall]:
-        ...
+    def parse(self, text: str) -> list[ParsedCall]: ...
 
     def format_observation(self, text: str) -> str:
         """The content of the ``tool`` message that returns ``text`` to the model."""
@@ -81,8 +80,11 @@ class HermesParser:
             j = text.find(self.close_tag, body_start)
             if j < 0:
                 raw = text[i:]
-                calls.append(ParsedCall(None, raw=raw, error=_MALFORMED,
-                                        error_message="unterminated <tool_call> (no </tool_call>)"))
+                calls.append(
+                    ParsedCall(
+                        None, raw=raw, error=_MALFORMED, error_message="unterminated <tool_call> (no </tool_call>)"
+                    )
+                )
                 break
             # A "</tool_call>" may sit inside a JSON string: prefer the first closing tag that
             # makes the body valid JSON (a few candidates), else the first one.
@@ -99,11 +101,17 @@ class HermesParser:
             nested = body.rfind(self.open_tag)
             if nested >= 0:
                 # "<tool_call> junk <tool_call>{...}</tool_call>": the outer opening is unterminated.
-                calls.append(ParsedCall(None, raw=text[i:body_start + nested], error=_MALFORMED,
-                                        error_message="<tool_call> opened inside another <tool_call>"))
+                calls.append(
+                    ParsedCall(
+                        None,
+                        raw=text[i : body_start + nested],
+                        error=_MALFORMED,
+                        error_message="<tool_call> opened inside another <tool_call>",
+                    )
+                )
                 body_start = body_start + nested + len(self.open_tag)
                 body = text[body_start:j]
-            calls.append(self._parse_body(body, raw=text[body_start - len(self.open_tag):pos]))
+            calls.append(self._parse_body(body, raw=text[body_start - len(self.open_tag) : pos]))
         return calls
 
     @staticmethod
@@ -113,8 +121,12 @@ class HermesParser:
         except json.JSONDecodeError as e:
             return ParsedCall(None, raw=raw, error=_MALFORMED, error_message=f"tool call is not valid JSON: {e}")
         if not isinstance(obj, dict):
-            return ParsedCall(None, raw=raw, error=_MALFORMED,
-                              error_message='tool call must be a JSON object {"name": ..., "arguments": {...}}')
+            return ParsedCall(
+                None,
+                raw=raw,
+                error=_MALFORMED,
+                error_message='tool call must be a JSON object {"name": ..., "arguments": {...}}',
+            )
         name = obj.get("name")
         if not isinstance(name, str) or not name:
             return ParsedCall(None, raw=raw, error=_MALFORMED, error_message='tool call has no "name" string')
@@ -123,8 +135,12 @@ class HermesParser:
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
-                return ParsedCall(name, raw=raw, error=_MALFORMED,
-                                  error_message=f'"arguments" is a string that is not valid JSON: {e}')
+                return ParsedCall(
+                    name,
+                    raw=raw,
+                    error=_MALFORMED,
+                    error_message=f'"arguments" is a string that is not valid JSON: {e}',
+                )
         if args is None:
             args = {}
         if not isinstance(args, dict):
@@ -149,12 +165,19 @@ class CodeBlockParser:
         for m in _FENCE.finditer(text):
             code = m.group("code")
             if m.group("close") != "```":
-                calls.append(ParsedCall(self.tool_name, raw=m.group(0), error=_MALFORMED,
-                                        error_message="unterminated ```python block (no closing ```)"))
+                calls.append(
+                    ParsedCall(
+                        self.tool_name,
+                        raw=m.group(0),
+                        error=_MALFORMED,
+                        error_message="unterminated ```python block (no closing ```)",
+                    )
+                )
                 continue
             if not code.strip():
-                calls.append(ParsedCall(self.tool_name, raw=m.group(0), error=_MALFORMED,
-                                        error_message="empty ```python block"))
+                calls.append(
+                    ParsedCall(self.tool_name, raw=m.group(0), error=_MALFORMED, error_message="empty ```python block")
+                )
                 continue
             calls.append(ParsedCall(self.tool_name, arguments={"code": code}, raw=m.group(0)))
         return calls

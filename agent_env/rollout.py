@@ -43,8 +43,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RolloutBatch", "rollout", "rollout_async", "collate", "run_sync"]
 
-TENSOR_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
-               "rollout_log_probs", "token_level_rewards")
+TENSOR_KEYS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "rollout_log_probs",
+    "token_level_rewards",
+)
 
 
 @dataclass
@@ -81,8 +89,10 @@ def _normalize_prompts(prompts: Sequence[Any]) -> list[dict[str, Any]]:
             out.append({"prompt": p, "ground_truth": None, "uid": None})
         elif isinstance(p, Mapping):
             if "prompt" not in p:
-                raise EnvError(f"prompt {i} is a mapping without a 'prompt' key (keys: {sorted(p)}); expected "
-                               "{'prompt': str | messages, 'ground_truth': ..., 'uid': optional}")
+                raise EnvError(
+                    f"prompt {i} is a mapping without a 'prompt' key (keys: {sorted(p)}); expected "
+                    "{'prompt': str | messages, 'ground_truth': ..., 'uid': optional}"
+                )
             gt = p.get("ground_truth", p.get("answer"))
             out.append({"prompt": p["prompt"], "ground_truth": gt, "uid": p.get("uid")})
         else:
@@ -90,7 +100,9 @@ def _normalize_prompts(prompts: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def collate(trajectories: Sequence[Trajectory], *, pad_token_id: int, response_length: int | None = None) -> RolloutBatch:
+def collate(
+    trajectories: Sequence[Trajectory], *, pad_token_id: int, response_length: int | None = None
+) -> RolloutBatch:
     """Collate trajectories into the training batch (docs/architecture.md). ``response_length`` is R (``None``: the
     longest response, at least 1); a response longer than R is an error."""
     if not trajectories:
@@ -111,11 +123,13 @@ def collate(trajectories: Sequence[Trajectory], *, pad_token_id: int, response_l
     for i, t in enumerate(trajectories):
         lp, lr = len(t.prompt_ids), len(t.response_ids)
         if not (len(t.response_mask) == len(t.rollout_logprobs) == lr):
-            raise EnvError(f"trajectory {i} is inconsistent: {lr} response ids, {len(t.response_mask)} mask "
-                           f"entries, {len(t.rollout_logprobs)} log-probs")
+            raise EnvError(
+                f"trajectory {i} is inconsistent: {lr} response ids, {len(t.response_mask)} mask "
+                f"entries, {len(t.rollout_logprobs)} log-probs"
+            )
         if lp:
-            prompts[i, P - lp:] = torch.tensor(t.prompt_ids, dtype=torch.long)
-            prompt_attn[i, P - lp:] = 1
+            prompts[i, P - lp :] = torch.tensor(t.prompt_ids, dtype=torch.long)
+            prompt_attn[i, P - lp :] = 1
         if lr:
             responses[i, :lr] = torch.tensor(t.response_ids, dtype=torch.long)
             resp_attn[i, :lr] = 1
@@ -130,9 +144,14 @@ def collate(trajectories: Sequence[Trajectory], *, pad_token_id: int, response_l
     attention_mask = torch.cat([prompt_attn, resp_attn], dim=1)
     position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
     tensors = {
-        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask,
-        "rollout_log_probs": logprobs, "token_level_rewards": rewards,
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "rollout_log_probs": logprobs,
+        "token_level_rewards": rewards,
     }
 
     def arr(values: list[Any], dtype: Any = object) -> np.ndarray:
@@ -183,8 +202,10 @@ async def rollout_async(
         cfg = env_or_config if isinstance(env_or_config, EpisodeConfig) else EpisodeConfig.from_dict(env_or_config)
         tok = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
         if tok is None:
-            raise EnvError("rollout with an EpisodeConfig needs a tokenizer: pass tokenizer=, or an AgentEnv, "
-                           "or an engine with a .tokenizer attribute")
+            raise EnvError(
+                "rollout with an EpisodeConfig needs a tokenizer: pass tokenizer=, or an AgentEnv, "
+                "or an engine with a .tokenizer attribute"
+            )
         env = AgentEnv(tok, tools=tools, config=cfg)
     activity = _Activity()
     sem = asyncio.Semaphore(max_concurrent_episodes) if max_concurrent_episodes else None
@@ -197,11 +218,25 @@ async def rollout_async(
     async def one(idx: int, item: dict[str, Any], uid: str, j: int) -> tuple[int, Trajectory]:
         ep_seed = None if seed is None else seed + idx
         if sem is None:
-            return idx, await env.run(engine, item["prompt"], uid=uid, ground_truth=item["ground_truth"],
-                                      seed=ep_seed, sample_index=j, activity=activity)
+            return idx, await env.run(
+                engine,
+                item["prompt"],
+                uid=uid,
+                ground_truth=item["ground_truth"],
+                seed=ep_seed,
+                sample_index=j,
+                activity=activity,
+            )
         async with sem:
-            return idx, await env.run(engine, item["prompt"], uid=uid, ground_truth=item["ground_truth"],
-                                      seed=ep_seed, sample_index=j, activity=activity)
+            return idx, await env.run(
+                engine,
+                item["prompt"],
+                uid=uid,
+                ground_truth=item["ground_truth"],
+                seed=ep_seed,
+                sample_index=j,
+                activity=activity,
+            )
 
     from tqdm.auto import tqdm
 
@@ -227,11 +262,14 @@ async def rollout_async(
     pad_id = env.tokenizer.pad_token_id
     if pad_id is None:
         pad_id = env.stop_ids[0]
-    batch = collate(trajs, pad_token_id=pad_id,
-                    response_length=env.config.response_length if pad_to == "budget" else None)
+    batch = collate(
+        trajs, pad_token_id=pad_id, response_length=env.config.response_length if pad_to == "budget" else None
+    )
     sampled = sum(sum(t.response_mask) for t in trajs)
     batch.stats = {
-        "wall_s": wall, "episodes": float(len(trajs)), "sampled_tokens": float(sampled),
+        "wall_s": wall,
+        "episodes": float(len(trajs)),
+        "sampled_tokens": float(sampled),
         "sampled_tokens_per_s": sampled / wall if wall > 0 else 0.0,
         "reward_mean": float(np.mean([t.reward for t in trajs])),
         "tool_calls": float(sum(t.num_tool_calls for t in trajs)),
@@ -242,8 +280,13 @@ async def rollout_async(
     return batch
 
 
-def rollout(engine: Any, env_or_config: AgentEnv | EpisodeConfig | Mapping[str, Any], prompts: Sequence[Any],
-            n: int = 1, **kwargs: Any) -> RolloutBatch:
+def rollout(
+    engine: Any,
+    env_or_config: AgentEnv | EpisodeConfig | Mapping[str, Any],
+    prompts: Sequence[Any],
+    n: int = 1,
+    **kwargs: Any,
+) -> RolloutBatch:
     """Run ``len(prompts) × n`` episodes concurrently and collate them (see the module docstring).
 
     ``prompts``: strings, chat-message lists, or mappings ``{"prompt": ..., "ground_truth": ...,

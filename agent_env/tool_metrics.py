@@ -35,15 +35,31 @@ import re
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
-__all__ = ["COUNT_KEYS", "ERROR_KINDS", "SHOWN_ERROR_KINDS", "MALFORMED_KINDS", "calls_of", "classify_call", "call_counts",
-           "episode_counts", "pooled_tool_metrics", "tool_metrics"]
+__all__ = [
+    "COUNT_KEYS",
+    "ERROR_KINDS",
+    "SHOWN_ERROR_KINDS",
+    "MALFORMED_KINDS",
+    "calls_of",
+    "classify_call",
+    "call_counts",
+    "episode_counts",
+    "pooled_tool_metrics",
+    "tool_metrics",
+]
 
 #: the kinds every report shows (zero when absent), in this order
-SHOWN_ERROR_KINDS = ("syntax_error", "runtime_error", "timeout", "memory", "output_cut", "malformed_call",
-                     "unknown_tool")
+SHOWN_ERROR_KINDS = (
+    "syntax_error",
+    "runtime_error",
+    "timeout",
+    "memory",
+    "output_cut",
+    "malformed_call",
+    "unknown_tool",
+)
 #: every kind :func:`classify_call` returns for a call that is not ok
-ERROR_KINDS = SHOWN_ERROR_KINDS + ("bad_arguments", "sandbox_error", "session_lost", "blocked", "not_executed",
-                                   "other")
+ERROR_KINDS = SHOWN_ERROR_KINDS + ("bad_arguments", "sandbox_error", "session_lost", "blocked", "not_executed", "other")
 #: kinds that are the model's fault, not the tool's
 MALFORMED_KINDS = ("malformed_call", "unknown_tool", "bad_arguments")
 
@@ -109,21 +125,41 @@ def call_counts(traj: Any) -> dict[str, Any]:
     kinds.pop(None, 0)
     ok = sum(bool(c.ok) for c in calls)
     not_executed = kinds.pop("not_executed", 0)
-    return {"calls": len(calls), "ok": ok, "failed": len(calls) - ok - not_executed, "not_executed": not_executed,
-            "executed": sum(bool(c.executed) for c in calls), "executed_ok": sum(bool(c.executed and c.ok) for c in calls),
-            "infra_retries": sum(getattr(c, "infra_retries", 0) for c in calls), "kinds": kinds}
+    return {
+        "calls": len(calls),
+        "ok": ok,
+        "failed": len(calls) - ok - not_executed,
+        "not_executed": not_executed,
+        "executed": sum(bool(c.executed) for c in calls),
+        "executed_ok": sum(bool(c.executed and c.ok) for c in calls),
+        "infra_retries": sum(getattr(c, "infra_retries", 0) for c in calls),
+        "kinds": kinds,
+    }
 
 
 #: the keys of :func:`episode_counts`
-COUNT_KEYS = ("calls", "ok", "failed", "not_executed", "executed", "executed_ok", "errors", "malformed",
-              "infra_retries") + tuple(f"kind_{k}" for k in ERROR_KINDS if k != "not_executed")
+COUNT_KEYS = (
+    "calls",
+    "ok",
+    "failed",
+    "not_executed",
+    "executed",
+    "executed_ok",
+    "errors",
+    "malformed",
+    "infra_retries",
+) + tuple(f"kind_{k}" for k in ERROR_KINDS if k != "not_executed")
 
 
 def episode_counts(traj: Any) -> dict[str, float]:
     """One trajectory's tool-use counts as flat numbers (a row of a verl batch's reward extra info);
     :func:`pooled_tool_metrics` turns rows of them into the figures."""
     c = call_counts(traj)
-    row = {**{k: v for k, v in c.items() if k != "kinds"}, "errors": traj.tool_errors, "malformed": traj.malformed_calls}
+    row = {
+        **{k: v for k, v in c.items() if k != "kinds"},
+        "errors": traj.tool_errors,
+        "malformed": traj.malformed_calls,
+    }
     for kind in ERROR_KINDS:
         if kind != "not_executed":
             row[f"kind_{kind}"] = c["kinds"].get(kind, 0)

@@ -96,12 +96,12 @@ def main() -> int:
         ("TIR-OTB", tir_optimal_token_baseline, core_algos.compute_multi_turn_optimal_token_baseline_advantage),
         ("dense OTB", optimal_token_baseline, core_algos.compute_optimal_token_baseline_advantage),
     ):
-        t_ours, c_ours = timeit(lambda: ours(**data), args.reps)
+        t_ours, c_ours = timeit(lambda ours=ours: ours(**data), args.reps)
         w0, c0 = time.perf_counter(), time.process_time()
         ref_adv, ref_ret = ref(**data)
         t_ref, c_ref = time.perf_counter() - w0, time.process_time() - c0
         if args.verl_reps > 1:
-            more = [timeit(lambda: ref(**data), 1) for _ in range(args.verl_reps - 1)]
+            more = [timeit(lambda ref=ref: ref(**data), 1) for _ in range(args.verl_reps - 1)]
             t_ref = statistics.median([t_ref] + [m[0] for m in more])
             c_ref = statistics.median([c_ref] + [m[1] for m in more])
         # The floor again, right after ours, so both see the same machine load.

@@ -48,8 +48,13 @@ log = logging.getLogger("bench_estimators")
 
 TRAINED = ("tir_optimal_token_baseline", "grpo", "rloo")
 PAIRED = ("tir_optimal_token_baseline", "optimal_token_baseline", "grpo", "grpo_no_std", "rloo")
-SHORT = {"tir_optimal_token_baseline": "TIR-OTB", "optimal_token_baseline": "OTB (dense)", "grpo": "GRPO",
-         "grpo_no_std": "GRPO (no std)", "rloo": "RLOO"}
+SHORT = {
+    "tir_optimal_token_baseline": "TIR-OTB",
+    "optimal_token_baseline": "OTB (dense)",
+    "grpo": "GRPO",
+    "grpo_no_std": "GRPO (no std)",
+    "rloo": "RLOO",
+}
 #: Measured-only variants: (registered estimator, keyword arguments that replace the trainer's).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"grpo_no_std": ("grpo", {"norm_adv_by_std_in_grpo": False})}
 
@@ -58,17 +63,31 @@ def estimator_advantages(name: str, inputs: dict[str, Any]) -> torch.Tensor:
     """``name``'s advantages for the trainer's estimator ``inputs`` (a registered name or a VARIANTS entry)."""
     base, kw = VARIANTS.get(name, (name, {}))
     return get_estimator(base)(**{**inputs, **kw})[0]
+
+
 PROXIES = ("proxy3_pure_noise", "proxy2_total_power", "proxy1_signal_strength", "expected_a_squared")
-QUICK = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4", "eval.size=4",
-         "rollout.response_length=64", "rollout.max_tokens_per_turn=32",
-         "trainer.save_every=0", "trainer.loggers=[jsonl]"]
+QUICK = [
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=4",
+    "eval.size=4",
+    "rollout.response_length=64",
+    "rollout.max_tokens_per_turn=32",
+    "trainer.save_every=0",
+    "trainer.loggers=[jsonl]",
+]
 
 
 # --------------------------------------------------------------------------- the paired measurement
 
-def paired_proxies(inputs: dict[str, Any], estimators: Sequence[str], *, loss_mask: torch.Tensor | None = None,
-                   grad_norm_fn: Callable[[torch.Tensor, torch.Tensor], float] | None = None,
-                   ) -> dict[str, dict[str, float]]:
+
+def paired_proxies(
+    inputs: dict[str, Any],
+    estimators: Sequence[str],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    grad_norm_fn: Callable[[torch.Tensor, torch.Tensor], float] | None = None,
+) -> dict[str, dict[str, float]]:
     """Every estimator's advantages on one batch and their variance-proxy metrics.
 
     ``inputs``: the keyword arguments the trainer passes to its estimator (``token_level_rewards``,
@@ -86,8 +105,14 @@ def paired_proxies(inputs: dict[str, Any], estimators: Sequence[str], *, loss_ma
         gnorm = None
         if grad_norm_fn is not None:  # (zero advantages give a zero gradient: no backward pass needed)
             gnorm = grad_norm_fn(adv, mask) if bool(adv.ne(0).any()) else 0.0
-        m = variance_proxy_metrics(adv, mask, inputs["old_log_probs"], inputs["sum_pi_squared"],
-                                   rollout_is_weights=inputs.get("rollout_is_weights"), gradient_norm=gnorm)
+        m = variance_proxy_metrics(
+            adv,
+            mask,
+            inputs["old_log_probs"],
+            inputs["sum_pi_squared"],
+            rollout_is_weights=inputs.get("rollout_is_weights"),
+            gradient_norm=gnorm,
+        )
         m["grad_norm"] = float("nan") if gnorm is None else float(gnorm)
         out[name] = m
     return out
@@ -106,8 +131,13 @@ class _NoStep:
         pass
 
 
-def policy_gradient_norm(model: torch.nn.Module, tensors: dict[str, torch.Tensor], advantages: torch.Tensor,
-                         loss_mask: torch.Tensor, settings) -> float:
+def policy_gradient_norm(
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    settings,
+) -> float:
     """‖ḡ‖: the norm of the token-mean PPO policy gradient over the whole batch at the current weights
     (ratio 1, so exactly the policy gradient), computed by the trainer's own ``ppo_update`` as one
     mini-batch (KL and entropy terms off); the weights are not changed and the gradients are cleared."""
@@ -160,11 +190,17 @@ class PairedRecorder:
 
         proxies = paired_proxies(inputs, self.estimators, loss_mask=loss_mask, grad_norm_fn=gnorm)
         same = self.trained not in proxies or torch.equal(
-            trained_adv.float() * loss_mask, get_estimator(self.trained)(**inputs)[0].float() * loss_mask)
-        return {"step": step, "trained": self.trained, "rows": int(loss_mask.shape[0]),
-                "reward_mean": float(inputs["token_level_rewards"].sum(-1).mean()),
-                "proxies": proxies, "trained_adv_reproduced": bool(same),
-                "measure_s": time.perf_counter() - t0}
+            trained_adv.float() * loss_mask, get_estimator(self.trained)(**inputs)[0].float() * loss_mask
+        )
+        return {
+            "step": step,
+            "trained": self.trained,
+            "rows": int(loss_mask.shape[0]),
+            "reward_mean": float(inputs["token_level_rewards"].sum(-1).mean()),
+            "proxies": proxies,
+            "trained_adv_reproduced": bool(same),
+            "measure_s": time.perf_counter() - t0,
+        }
 
 
 @contextlib.contextmanager
@@ -198,6 +234,7 @@ def paired_trainer(trained: str, estimators: Sequence[str], measure_every: int) 
 
 # --------------------------------------------------------------------------- runs and the report
 
+
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
     vals = [v for v in values if v == v]
     if not vals:
@@ -217,13 +254,18 @@ def aggregate(runs: list[dict[str, Any]], estimators: Sequence[str], reference: 
         row["grad_norm"] = _mean_sd([r["proxies"][name]["grad_norm"] for r in records if name in r["proxies"]])
         if reference in estimators and name != reference:
             for p in ("proxy3_pure_noise", "proxy2_total_power"):
-                pairs = [(r["proxies"][name][f"variance_proxy/{p}"], r["proxies"][reference][f"variance_proxy/{p}"])
-                         for r in records if name in r["proxies"] and reference in r["proxies"]]
+                pairs = [
+                    (r["proxies"][name][f"variance_proxy/{p}"], r["proxies"][reference][f"variance_proxy/{p}"])
+                    for r in records
+                    if name in r["proxies"] and reference in r["proxies"]
+                ]
                 ratios = [a / b for a, b in pairs if b > 0 and a > 0]
                 row[f"{p}_ratio_to_{reference}"] = {
                     "geo_mean": math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else float("nan"),
-                    "lower_in": sum(a < b for a, b in pairs), "equal_in": sum(a == b for a, b in pairs),
-                    "of": len(pairs)}
+                    "lower_in": sum(a < b for a, b in pairs),
+                    "equal_in": sum(a == b for a, b in pairs),
+                    "of": len(pairs),
+                }
         out["estimators"][name] = row
     return out
 
@@ -233,45 +275,63 @@ def _fmt(ms: tuple[float, float], scale: float = 1.0) -> str:
     return "n/a" if m != m else f"{m * scale:.3g} ± {sd * scale:.2g}"
 
 
-def print_report(runs: list[dict[str, Any]], agg: dict[str, Any], paired: Sequence[str], reference: str = "grpo") -> str:
+def print_report(
+    runs: list[dict[str, Any]], agg: dict[str, Any], paired: Sequence[str], reference: str = "grpo"
+) -> str:
     lines = []
     trained = list(dict.fromkeys(r["estimator"] for r in runs))
-    lines.append("held-out accuracy (greedy), per trained estimator, over seeds " +
-                 ", ".join(str(s) for s in sorted({r["seed"] for r in runs})))
-    lines.append(f"{'estimator':<14} {'acc before':>11} {'acc after':>11} {'gain (pts)':>11} {'tool calls after':>17} "
-                 f"{'train s':>8}")
+    lines.append(
+        "held-out accuracy (greedy), per trained estimator, over seeds "
+        + ", ".join(str(s) for s in sorted({r["seed"] for r in runs}))
+    )
+    lines.append(
+        f"{'estimator':<14} {'acc before':>11} {'acc after':>11} {'gain (pts)':>11} {'tool calls after':>17} "
+        f"{'train s':>8}"
+    )
     for name in trained:
         rs = [r for r in runs if r["estimator"] == name]
         before = _mean_sd([r["before"]["accuracy"] for r in rs if r.get("before")])
         after = _mean_sd([r["after"]["accuracy"] for r in rs if r.get("after")])
-        gain = _mean_sd([100 * (r["after"]["accuracy"] - r["before"]["accuracy"]) for r in rs
-                         if r.get("after") and r.get("before")])
+        gain = _mean_sd(
+            [100 * (r["after"]["accuracy"] - r["before"]["accuracy"]) for r in rs if r.get("after") and r.get("before")]
+        )
         calls = _mean_sd([r["after"]["tool_call_rate"] for r in rs if r.get("after")])
         wall = _mean_sd([r["train_s"] for r in rs])
-        lines.append(f"{SHORT.get(name, name):<14} {_fmt(before):>11} {_fmt(after):>11} {_fmt(gain):>11} "
-                     f"{_fmt(calls):>17} {wall[0]:>8.0f}")
+        lines.append(
+            f"{SHORT.get(name, name):<14} {_fmt(before):>11} {_fmt(after):>11} {_fmt(gain):>11} "
+            f"{_fmt(calls):>17} {wall[0]:>8.0f}"
+        )
     lines.append("")
-    lines.append(f"variance proxies on the same {agg['n_batches']} rollout batches (paired; every estimator's "
-                 "advantages on each batch), mean ± sd over batches")
-    hdr = (f"{'estimator':<14} {'pure noise (proxy3)':>22} {'total power (proxy2)':>22} {'‖ḡ‖² (proxy1)':>18} "
-           f"{'E[Ā²]':>16} {'noise / ' + SHORT.get(reference, reference):>14} {'power / ' + SHORT.get(reference, reference):>14}")
+    lines.append(
+        f"variance proxies on the same {agg['n_batches']} rollout batches (paired; every estimator's "
+        "advantages on each batch), mean ± sd over batches"
+    )
+    hdr = (
+        f"{'estimator':<14} {'pure noise (proxy3)':>22} {'total power (proxy2)':>22} {'‖ḡ‖² (proxy1)':>18} "
+        f"{'E[Ā²]':>16} {'noise / ' + SHORT.get(reference, reference):>14} "
+        f"{'power / ' + SHORT.get(reference, reference):>14}"
+    )
     lines.append(hdr)
     for name in paired:
         row = agg["estimators"][name]
 
-        def ratio(p: str) -> str:
+        def ratio(p: str, row: dict = row, name: str = name) -> str:
             r = row.get(f"{p}_ratio_to_{reference}")
             if not r:
                 return "1 (ref)" if name == reference else "n/a"
             g = r["geo_mean"]
             return f"{g:.3f} ({r['lower_in']}/{r['of']}<)" if g == g else f"n/a (0/{r['of']})"
 
-        lines.append(f"{SHORT.get(name, name):<14} {_fmt(row['proxy3_pure_noise']):>22} "
-                     f"{_fmt(row['proxy2_total_power']):>22} {_fmt(row['proxy1_signal_strength']):>18} "
-                     f"{_fmt(row['expected_a_squared']):>16} {ratio('proxy3_pure_noise'):>14} "
-                     f"{ratio('proxy2_total_power'):>14}")
-    lines.append("ratios: geometric mean over batches of estimator / reference on the same batch "
-                 "(k/N<: lower on k of N batches; batches where either is 0 are left out of the mean)")
+        lines.append(
+            f"{SHORT.get(name, name):<14} {_fmt(row['proxy3_pure_noise']):>22} "
+            f"{_fmt(row['proxy2_total_power']):>22} {_fmt(row['proxy1_signal_strength']):>18} "
+            f"{_fmt(row['expected_a_squared']):>16} {ratio('proxy3_pure_noise'):>14} "
+            f"{ratio('proxy2_total_power'):>14}"
+        )
+    lines.append(
+        "ratios: geometric mean over batches of estimator / reference on the same batch "
+        "(k/N<: lower on k of N batches; batches where either is 0 are left out of the mean)"
+    )
     lines.append("train s: the training steps' wall time without the paired measurement (noisy on a shared machine)")
     text = "\n".join(lines)
     print(text)
@@ -285,21 +345,31 @@ def run_one(cfg, trained: str, paired: Sequence[str], measure_every: int) -> dic
     with paired_trainer(trained, paired, measure_every) as recorders:
         summary = run(cfg)
     if len(recorders) != 1 or recorders[0].calls != cfg.trainer.total_steps:
-        raise RuntimeError(f"the paired-proxy hook did not see the run's steps (trainers built: {len(recorders)}, "
-                           f"estimator calls: {recorders[0].calls if recorders else 0}, steps: "
-                           f"{cfg.trainer.total_steps}); has otb_tir.trainer.run.run stopped building "
-                           "otb_tir.trainer.trainer.Trainer?")
+        raise RuntimeError(
+            f"the paired-proxy hook did not see the run's steps (trainers built: {len(recorders)}, "
+            f"estimator calls: {recorders[0].calls if recorders else 0}, steps: "
+            f"{cfg.trainer.total_steps}); has otb_tir.trainer.run.run stopped building "
+            "otb_tir.trainer.trainer.Trainer?"
+        )
     history = []
     metrics_file = Path(cfg.trainer.output_dir) / "metrics.jsonl"
     if metrics_file.is_file():
         history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    return {"estimator": trained, "seed": int(cfg.trainer.seed), "steps": int(cfg.trainer.total_steps),
-            "before": summary.get("before"), "after": summary.get("after"),
-            "wall_time_s": time.perf_counter() - t0, "paired": recorders[0].records, "history": history,
-            "measure_s": sum(r["measure_s"] for r in recorders[0].records),
-            # the training steps' own time: the trainer's step times less the paired measurement inside them
-            "train_s": sum(h.get("timing/step_s", 0.0) for h in history) - sum(r["measure_s"] for r in recorders[0].records),
-            "output_dir": str(cfg.trainer.output_dir)}
+    return {
+        "estimator": trained,
+        "seed": int(cfg.trainer.seed),
+        "steps": int(cfg.trainer.total_steps),
+        "before": summary.get("before"),
+        "after": summary.get("after"),
+        "wall_time_s": time.perf_counter() - t0,
+        "paired": recorders[0].records,
+        "history": history,
+        "measure_s": sum(r["measure_s"] for r in recorders[0].records),
+        # the training steps' own time: the trainer's step times less the paired measurement inside them
+        "train_s": sum(h.get("timing/step_s", 0.0) for h in history)
+        - sum(r["measure_s"] for r in recorders[0].records),
+        "output_dir": str(cfg.trainer.output_dir),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,8 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's trainer.total_steps)")
     p.add_argument("--measure-every", type=int, default=1, help="paired measurement every k steps")
-    p.add_argument("--quick", action="store_true", help="a ~2-minute smoke run: 2 steps, tiny batches and responses, 4 eval problems, "
-                   "the built-in base tiny model (no warm start) unless model.path= is given")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a ~2-minute smoke run: 2 steps, tiny batches and responses, 4 eval problems, "
+        "the built-in base tiny model (no warm start) unless model.path= is given",
+    )
     p.add_argument("--out", default=str(ROOT / "runs/bench_estimators"))
     p.add_argument("overrides", nargs="*", help="recipe overrides (key=value), applied to every run")
     args = p.parse_args(argv)
@@ -341,10 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for seed in args.seeds:
             before = None
-            for k, name in enumerate(args.estimators):
+            for name in args.estimators:
                 run_dir = out / f"seed{seed}" / name
-                extra = [f"trainer.seed={seed}", f"algorithm.adv_estimator={name}", f"trainer.output_dir={run_dir}",
-                         "trainer.resume=false"]
+                extra = [
+                    f"trainer.seed={seed}",
+                    f"algorithm.adv_estimator={name}",
+                    f"trainer.output_dir={run_dir}",
+                    "trainer.resume=false",
+                ]
                 if before is not None:  # same warm start, same held-out set: evaluate "before" once per seed
                     extra.append("eval.before=false")
                 cfg = load_config(args.config, [*overrides, *extra])
@@ -355,17 +433,32 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     res["before"], res["before_shared"] = copy.deepcopy(before), True
                 runs.append(res)
-                log.info("%s seed %d: before %s after %s (%.0f s)", name, seed, before and before.get("accuracy"),
-                         res["after"] and res["after"].get("accuracy"), res["wall_time_s"])
+                log.info(
+                    "%s seed %d: before %s after %s (%.0f s)",
+                    name,
+                    seed,
+                    before and before.get("accuracy"),
+                    res["after"] and res["after"].get("accuracy"),
+                    res["wall_time_s"],
+                )
                 (out / "results.json").write_text(json.dumps({"runs": runs, "partial": True}, indent=1))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     agg = aggregate(runs, args.paired)
     text = print_report(runs, agg, args.paired)
-    result = {"argv": sys.argv[1:] if argv is None else argv, "overrides": overrides, "seeds": args.seeds,
-              "estimators": args.estimators, "paired": args.paired, "measure_every": args.measure_every,
-              "aggregate": agg, "runs": runs, "report": text, "wall_time_s": time.perf_counter() - t_start}
+    result = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "overrides": overrides,
+        "seeds": args.seeds,
+        "estimators": args.estimators,
+        "paired": args.paired,
+        "measure_every": args.measure_every,
+        "aggregate": agg,
+        "runs": runs,
+        "report": text,
+        "wall_time_s": time.perf_counter() - t_start,
+    }
     (out / "results.json").write_text(json.dumps(result, indent=1))
     print(f"\nwritten: {out / 'results.json'}")
     return 0

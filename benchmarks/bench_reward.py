@@ -21,10 +21,22 @@ from agent_env.math_task.reward import _normalize_str, _plain_number, extract_an
 # the kinds of answers a math policy writes: integers (the built-in task), fractions, decimals,
 # LaTeX forms, units, expressions; right and wrong
 ORDINARY = [
-    ("42", "42"), ("41", "42"), ("-7", "-7"), ("1,000", "1000"), ("3.0", "3"), ("0.5", "1/2"),
-    ("\\frac{3}{4}", "0.75"), ("\\dfrac{1}{3}", "0.25"), ("x=3", "3"), ("10\\text{ cm}", "10"),
-    ("\\sqrt{2}", "2^{1/2}"), ("2\\sqrt{2}", "\\sqrt{8}"), ("\\frac{\\pi}{2}", "\\pi/2"), ("(x+1)^2", "x^2+2x+1"),
-    ("12", "13"), ("7/8", "0.875"),
+    ("42", "42"),
+    ("41", "42"),
+    ("-7", "-7"),
+    ("1,000", "1000"),
+    ("3.0", "3"),
+    ("0.5", "1/2"),
+    ("\\frac{3}{4}", "0.75"),
+    ("\\dfrac{1}{3}", "0.25"),
+    ("x=3", "3"),
+    ("10\\text{ cm}", "10"),
+    ("\\sqrt{2}", "2^{1/2}"),
+    ("2\\sqrt{2}", "\\sqrt{8}"),
+    ("\\frac{\\pi}{2}", "\\pi/2"),
+    ("(x+1)^2", "x^2+2x+1"),
+    ("12", "13"),
+    ("7/8", "0.875"),
 ]
 
 

@@ -49,9 +49,11 @@ class ThinkThenAct:
         self.think = think
         self.real_tokens = 0
         eos = tokenizer.eos_token_id
-        acts = [tc("python", code="import sympy\nprint(sympy.factorint(2**32 + 1))"),
-                tc("calculator", expression="641 * 6700417"),
-                "So the answer is \\boxed{4294967297}."]
+        acts = [
+            tc("python", code="import sympy\nprint(sympy.factorint(2**32 + 1))"),
+            tc("calculator", expression="641 * 6700417"),
+            "So the answer is \\boxed{4294967297}.",
+        ]
         self.acts = [self.tok.encode("\n" + a, add_special_tokens=False) + [eos] for a in acts]
 
     async def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput:
@@ -61,8 +63,14 @@ class ThinkThenAct:
         ids: list[int] = []
         lps: list[float] = []
         if budget > 0:
-            sub = SamplingParams(max_tokens=min(self.think, budget), temperature=params.temperature,
-                                 top_p=params.top_p, top_k=params.top_k, stop_token_ids=[], seed=params.seed)
+            sub = SamplingParams(
+                max_tokens=min(self.think, budget),
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                stop_token_ids=[],
+                seed=params.seed,
+            )
             out = await self.engine.generate(prompt_ids, sub)
             ids, lps = list(out.token_ids), list(out.logprobs)
             self.real_tokens += len(ids)
@@ -91,9 +99,9 @@ def make_engine(kind: str, path: Path, tokenizer, seed: int):
 
 
 async def run_engine(kind: str, args) -> dict[str, float]:
-    import tools
     from transformers import AutoTokenizer
 
+    import tools
     from otb_tir.defaults.tiny import tiny_policy_dir
 
     path = tiny_policy_dir()
@@ -101,11 +109,14 @@ async def run_engine(kind: str, args) -> dict[str, float]:
     base = make_engine(kind, path, tok, args.seed)
     eng = ThinkThenAct(base, tok, args.think)
     tool_list = [tools.get_tool("python", workers=args.workers), tools.get_tool("calculator")]
-    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=args.think + 64,
-                        response_length=3 * (args.think + 64) + 256, temperature=1.0)
+    cfg = EpisodeConfig(
+        max_assistant_turns=3,
+        max_tokens_per_turn=args.think + 64,
+        response_length=3 * (args.think + 64) + 256,
+        temperature=1.0,
+    )
     env = AgentEnv(tok, tool_list, cfg)
-    prompts = [{"prompt": f"Factor 2^32 + 1 (problem {i}).", "ground_truth": "4294967297"}
-               for i in range(args.prompts)]
+    prompts = [{"prompt": f"Factor 2^32 + 1 (problem {i}).", "ground_truth": "4294967297"} for i in range(args.prompts)]
     results: dict[str, float] = {}
     try:
         # warm-up: worker pools, sympy imports, first forward passes
@@ -116,12 +127,19 @@ async def run_engine(kind: str, args) -> dict[str, float]:
         trajs = batch.trajectories
         calls = sum(t.num_tool_calls for t in trajs)
         ok_calls = sum(c.ok for t in trajs for tr in t.turns for c in tr.tool_calls)
-        results.update({
-            "conc_wall_s": batch.stats["wall_s"], "conc_tok_s": eng.real_tokens / batch.stats["wall_s"],
-            "conc_wait_frac": batch.stats["gen_waited_on_tools_frac"], "episodes": len(trajs),
-            "tool_calls": calls, "ok_calls": ok_calls,
-            "finish": json.dumps({r: sum(t.finish_reason == r for t in trajs) for r in {t.finish_reason for t in trajs}}),
-        })
+        results.update(
+            {
+                "conc_wall_s": batch.stats["wall_s"],
+                "conc_tok_s": eng.real_tokens / batch.stats["wall_s"],
+                "conc_wait_frac": batch.stats["gen_waited_on_tools_frac"],
+                "episodes": len(trajs),
+                "tool_calls": calls,
+                "ok_calls": ok_calls,
+                "finish": json.dumps(
+                    {r: sum(t.finish_reason == r for t in trajs) for r in {t.finish_reason for t in trajs}}
+                ),
+            }
+        )
 
         # sequential reference: the same episodes, one at a time
         eng.real_tokens = 0
@@ -132,13 +150,21 @@ async def run_engine(kind: str, args) -> dict[str, float]:
 
         for item in tqdm(prompts, desc="sequential", leave=False):
             for j in range(args.n):
-                await env.run(eng, item["prompt"], uid=str(k), ground_truth=item["ground_truth"],
-                              seed=args.seed + k, sample_index=j, activity=act)
+                await env.run(
+                    eng,
+                    item["prompt"],
+                    uid=str(k),
+                    ground_truth=item["ground_truth"],
+                    seed=args.seed + k,
+                    sample_index=j,
+                    activity=act,
+                )
                 k += 1
         wall = time.perf_counter() - t0
         s = act.summary()
-        results.update({"seq_wall_s": wall, "seq_tok_s": eng.real_tokens / wall,
-                        "seq_wait_frac": s["gen_waited_on_tools_frac"]})
+        results.update(
+            {"seq_wall_s": wall, "seq_tok_s": eng.real_tokens / wall, "seq_wait_frac": s["gen_waited_on_tools_frac"]}
+        )
     finally:
         await base.close()
         for t in tool_list:
@@ -147,8 +173,10 @@ async def run_engine(kind: str, args) -> dict[str, float]:
 
 
 def report(kind: str, r: dict[str, float]) -> None:
-    print(f"\n== engine: {kind}  ({int(r['episodes'])} episodes, {int(r['tool_calls'])} tool calls, "
-          f"{int(r['ok_calls'])} ok; finish reasons {r['finish']})")
+    print(
+        f"\n== engine: {kind}  ({int(r['episodes'])} episodes, {int(r['tool_calls'])} tool calls, "
+        f"{int(r['ok_calls'])} ok; finish reasons {r['finish']})"
+    )
     print(f"{'':<12}{'tokens/s':>10}{'wall s':>9}{'gen waited on tools':>22}")
     print(f"{'concurrent':<12}{r['conc_tok_s']:>10.1f}{r['conc_wall_s']:>9.2f}{100 * r['conc_wait_frac']:>21.1f}%")
     print(f"{'sequential':<12}{r['seq_tok_s']:>10.1f}{r['seq_wall_s']:>9.2f}{100 * r['seq_wait_frac']:>21.1f}%")
@@ -165,7 +193,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4, help="python sandbox workers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", choices=["hf", "vllm", "both"], default="both")
-    ap.add_argument("--json", action="store_true", help="print the results as one JSON line (used for the vLLM subprocess)")
+    ap.add_argument(
+        "--json", action="store_true", help="print the results as one JSON line (used for the vLLM subprocess)"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -179,9 +209,23 @@ def main() -> None:
                 if not (ROOT / "agent_env" / "engines" / "vllm.py").exists() or not venv.exists():
                     print("\n== engine: vllm  skipped (no agent_env/engines/vllm.py or no .venv-vllm)")
                     continue
-                cmd = [str(venv), __file__, "--engine", "vllm", "--json", "--prompts", str(args.prompts),
-                       "--n", str(args.n), "--think", str(args.think), "--workers", str(args.workers),
-                       "--seed", str(args.seed)]
+                cmd = [
+                    str(venv),
+                    __file__,
+                    "--engine",
+                    "vllm",
+                    "--json",
+                    "--prompts",
+                    str(args.prompts),
+                    "--n",
+                    str(args.n),
+                    "--think",
+                    str(args.think),
+                    "--workers",
+                    str(args.workers),
+                    "--seed",
+                    str(args.seed),
+                ]
                 env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

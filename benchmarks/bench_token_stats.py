@@ -52,8 +52,9 @@ def _naive_stats(z, labels):
     return lp, ent, sp
 
 
-def worker(task: str, impl: str, tokens: int, vocab: int, hidden_size: int, repeat: int, chunk: int | None,
-           threads: int | None) -> dict:
+def worker(
+    task: str, impl: str, tokens: int, vocab: int, hidden_size: int, repeat: int, chunk: int | None, threads: int | None
+) -> dict:
     import torch
 
     if threads:
@@ -65,12 +66,16 @@ def worker(task: str, impl: str, tokens: int, vocab: int, hidden_size: int, repe
     if task in ("sp", "stats"):
         logits = torch.randn(tokens, vocab) * 3
         if task == "sp":
-            run = (lambda: torch.softmax(logits, -1).square().sum(-1)) if impl == "naive" else (
-                lambda: sum_pi_squared_from_logits(logits, chunk=chunk)
+            run = (
+                (lambda: torch.softmax(logits, -1).square().sum(-1))
+                if impl == "naive"
+                else (lambda: sum_pi_squared_from_logits(logits, chunk=chunk))
             )
         else:
-            run = (lambda: _naive_stats(logits, labels)) if impl == "naive" else (
-                lambda: token_stats_from_logits(logits, labels, chunk=chunk)
+            run = (
+                (lambda: _naive_stats(logits, labels))
+                if impl == "naive"
+                else (lambda: token_stats_from_logits(logits, labels, chunk=chunk))
             )
     else:
         hidden = torch.randn(tokens, hidden_size, requires_grad=task == "hidden_bwd")
@@ -82,10 +87,12 @@ def worker(task: str, impl: str, tokens: int, vocab: int, hidden_size: int, repe
             return token_stats_from_hidden(hidden, weight, labels, chunk=chunk)
 
         if task == "hidden_fwd":
+
             def run():
                 with torch.no_grad():
                     return stats()
         else:
+
             def run():
                 hidden.grad = weight.grad = None
                 lp, ent, _ = stats()
@@ -106,8 +113,14 @@ def worker(task: str, impl: str, tokens: int, vocab: int, hidden_size: int, repe
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    return {"task": task, "impl": impl, "peak_extra": peak, "time": statistics.median(times), "check": check,
-            "grad_bytes": grad_bytes}
+    return {
+        "task": task,
+        "impl": impl,
+        "peak_extra": peak,
+        "time": statistics.median(times),
+        "check": check,
+        "grad_bytes": grad_bytes,
+    }
 
 
 def main() -> None:
@@ -117,31 +130,59 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--hidden", type=int, default=256, help="hidden size of the fused tasks")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: the library's, 110 at V=151,936)")
+    ap.add_argument(
+        "--chunk", type=int, default=None, help="tokens per chunk (default: the library's, 110 at V=151,936)"
+    )
     ap.add_argument("--tasks", default=",".join(TASKS))
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: torch's). On a loaded machine multi-threaded small ops stall "
-                    "at OpenMP barriers; --threads 1 shows the single-core cost")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's). On a loaded machine multi-threaded small ops stall "
+        "at OpenMP barriers; --threads 1 shows the single-core cost",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("TASK", "IMPL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.small:
         args.tokens, args.vocab, args.hidden = 512, 32_000, 128
         args.chunk = args.chunk or 16  # the same chunk/T fraction as the default at full size
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.tokens, args.vocab, args.hidden, args.repeat, args.chunk, args.threads)))
+        print(
+            json.dumps(
+                worker(*args.worker, args.tokens, args.vocab, args.hidden, args.repeat, args.chunk, args.threads)
+            )
+        )
         return
 
     tv = args.tokens * args.vocab * 4
-    print(f"T={args.tokens} V={args.vocab} float32; one [T, V] float32 tensor = {tv / 2**20:,.0f} MiB; "
-          f"hidden size (fused tasks) = {args.hidden}; chunk = {args.chunk or 'default'}; median of {args.repeat} runs; "
-          f"torch threads = {args.threads or 'default'}")
-    print(f"{'task':<11} {'impl':<6} {'peak extra MiB':>15} {'x [T,V]':>8} {'time s':>8} {'mem ratio':>10} {'time ratio':>11}")
+    print(
+        f"T={args.tokens} V={args.vocab} float32; one [T, V] float32 tensor = {tv / 2**20:,.0f} MiB; "
+        f"hidden size (fused tasks) = {args.hidden}; chunk = {args.chunk or 'default'}; median of {args.repeat} runs; "
+        f"torch threads = {args.threads or 'default'}"
+    )
+    print(
+        f"{'task':<11} {'impl':<6} {'peak extra MiB':>15} {'x [T,V]':>8} {'time s':>8} {'mem ratio':>10} "
+        f"{'time ratio':>11}"
+    )
     ok = True
     for task in args.tasks.split(","):
         res = {}
         for impl in ("naive", "ours"):
-            cmd = [sys.executable, __file__, "--worker", task, impl, "--tokens", str(args.tokens),
-                   "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--repeat", str(args.repeat)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                task,
+                impl,
+                "--tokens",
+                str(args.tokens),
+                "--vocab",
+                str(args.vocab),
+                "--hidden",
+                str(args.hidden),
+                "--repeat",
+                str(args.repeat),
+            ]
             if args.chunk:
                 cmd += ["--chunk", str(args.chunk)]
             if args.threads:
@@ -154,8 +195,10 @@ def main() -> None:
         for impl, r in (("naive", n), ("ours", o)):
             ratio_m = "" if impl == "naive" else f"{r['peak_extra'] / max(n['peak_extra'], 1):10.3f}"
             ratio_t = "" if impl == "naive" else f"{r['time'] / n['time']:11.2f}"
-            print(f"{task:<11} {impl:<6} {r['peak_extra'] / 2**20:15,.1f} {r['peak_extra'] / tv:8.3f} "
-                  f"{r['time']:8.3f} {ratio_m:>10} {ratio_t:>11}")
+            print(
+                f"{task:<11} {impl:<6} {r['peak_extra'] / 2**20:15,.1f} {r['peak_extra'] / tv:8.3f} "
+                f"{r['time']:8.3f} {ratio_m:>10} {ratio_t:>11}"
+            )
         agree = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(n["check"], o["check"]))
         if not agree:
             ok = False
@@ -167,9 +210,11 @@ def main() -> None:
             # the hidden/weight gradients are outputs every method must allocate; the rest is working memory
             work = o["peak_extra"] - o["grad_bytes"]
             target = work < 0.5 * tv  # one materialized [T, V] would make it ≥ 1
-            print(f"  fused working memory (peak extra − {o['grad_bytes'] / 2**20:,.1f} MiB of returned gradients) "
-                  f"= {work / tv:.3f} × [T,V] bytes "
-                  f"({'never materializes [T, V]' if target else 'NOT below half a [T, V]'})")
+            print(
+                f"  fused working memory (peak extra − {o['grad_bytes'] / 2**20:,.1f} MiB of returned gradients) "
+                f"= {work / tv:.3f} × [T,V] bytes "
+                f"({'never materializes [T, V]' if target else 'NOT below half a [T, V]'})"
+            )
         ok = ok and target
     sys.exit(0 if ok else 1)
 

@@ -44,8 +44,11 @@ def _steps(out: Path) -> dict[int, dict]:
 
 def _run(python: str, out: Path, args: list[str]) -> float:
     t0 = time.time()
-    proc = subprocess.run([python, str(REPO / "recipes" / "train_tir_math.py"), f"trainer.output_dir={out}", *args],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, str(REPO / "recipes" / "train_tir_math.py"), f"trainer.output_dir={out}", *args],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         sys.exit(f"{' '.join(args[:2])} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     return time.time() - t0
@@ -57,11 +60,18 @@ def main() -> None:
     p.add_argument("--verl-python", default=str(REPO / ".venv-verl" / "bin" / "python"))
     p.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
     a = p.parse_args()
-    common = [f"trainer.total_steps={a.steps}", "eval.before=false", "eval.after=false", "trainer.save_every=0",
-              *a.overrides]
+    common = [
+        f"trainer.total_steps={a.steps}",
+        "eval.before=false",
+        "eval.after=false",
+        "trainer.save_every=0",
+        *a.overrides,
+    ]
     with tempfile.TemporaryDirectory() as tmp:
-        wall = {"verl": _run(a.verl_python, Path(tmp) / "verl", ["trainer=verl", *common]),
-                "local": _run(sys.executable, Path(tmp) / "local", common)}
+        wall = {
+            "verl": _run(a.verl_python, Path(tmp) / "verl", ["trainer=verl", *common]),
+            "local": _run(sys.executable, Path(tmp) / "local", common),
+        }
         steps = {"verl": _steps(Path(tmp) / "verl"), "local": _steps(Path(tmp) / "local")}
     print(f"# {time.strftime('%Y-%m-%d')}, {a.steps} steps, overrides: {' '.join(common)}")
     print(f"# launch to exit: verl {wall['verl']:.0f} s, local {wall['local']:.0f} s")
@@ -72,7 +82,7 @@ def main() -> None:
             lv = l_.get(lk) if lk else None
             vv = v.get(vk)
             ratio = f"{vv / lv:.2f}" if lv and vv is not None else "–"
-            fmt = (lambda x: "–" if x is None else f"{x:.3f}")
+            fmt = lambda x: "–" if x is None else f"{x:.3f}"
             print(f"| {label} | {fmt(lv)} | {fmt(vv)} | {ratio} |")
 
 

@@ -34,16 +34,35 @@ from typing import Any
 
 import torch
 
-
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: runs/ go here
 log = logging.getLogger("gpu_check")
 
-QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=2048,
-             rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+QWEN3_0_6B = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
+SMOKE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=4096,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 class GPUCheckError(RuntimeError):
@@ -60,8 +79,10 @@ def _token_hash_reward(text, ground_truth, traj) -> float:
 def _mem(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
-    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -120,8 +141,12 @@ def replay(trainer, tensors: dict[str, torch.Tensor], fused: bool, device: torch
     mask = batch["response_mask"].float()
     rewards = place_reward_on_last_policy_token(batch["token_level_rewards"], mask)
     adv, _ = get_estimator("tir_optimal_token_baseline")(
-        token_level_rewards=rewards, response_mask=mask, index=tensors["uid"], old_log_probs=batch["old_log_probs"],
-        sum_pi_squared=batch["sum_pi_squared"])
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=tensors["uid"],
+        old_log_probs=batch["old_log_probs"],
+        sum_pi_squared=batch["sum_pi_squared"],
+    )
     batch["advantages"], batch["loss_mask"] = adv.float() * mask, mask
     _reset_peak(device)
     t0 = time.perf_counter()
@@ -141,14 +166,13 @@ def run_check(args) -> dict[str, Any]:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from agent_env import AgentEnv
-    from agent_env.math_task.data import make_split
     from agent_env.engines.hf import HFEngine
+    from agent_env.math_task.data import make_split
+    from otb_tir.builders import episode_config, seed_everything
     from otb_tir.defaults.tiny import tiny_policy_dir
     from otb_tir.trainer.config import load_config
     from otb_tir.trainer.distributed import DistInfo, fsdp_wrap, full_state_dict
-    from otb_tir.builders import seed_everything
     from otb_tir.trainer.run import build_optimizer
-    from otb_tir.builders import episode_config
     from otb_tir.trainer.trainer import Trainer
 
     smoke = args.cpu_smoke
@@ -156,8 +180,10 @@ def run_check(args) -> dict[str, Any]:
         device = torch.device("cpu")
     else:
         if not torch.cuda.is_available():
-            raise GPUCheckError("no CUDA GPU is visible (torch.cuda.is_available() is False, torch "
-                                f"{torch.__version__}); run on a GPU machine, or use --cpu-smoke to check the code paths")
+            raise GPUCheckError(
+                "no CUDA GPU is visible (torch.cuda.is_available() is False, torch "
+                f"{torch.__version__}); run on a GPU machine, or use --cpu-smoke to check the code paths"
+            )
         device = torch.device("cuda", 0)
         torch.backends.cuda.matmul.allow_tf32 = True
     shape = dict(SMOKE if smoke else QWEN3_0_6B)
@@ -166,9 +192,15 @@ def run_check(args) -> dict[str, Any]:
     micro = args.micro_batch_size
     low = None if smoke else torch.bfloat16
     seed_everything(0)
-    info: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                            "torch": torch.__version__, "shape": shape, "response_length": r,
-                            "trajectories": prompts * n, "fsdp": not args.no_fsdp, "micro_batch_size": micro}
+    info: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": shape,
+        "response_length": r,
+        "trajectories": prompts * n,
+        "fsdp": not args.no_fsdp,
+        "micro_batch_size": micro,
+    }
     log.info("building a random Qwen3 model %s on %s", shape, device)
     t0 = time.perf_counter()
     config = Qwen3Config(**shape)
@@ -178,16 +210,28 @@ def run_check(args) -> dict[str, Any]:
     info["build_s"] = time.perf_counter() - t0
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy_dir())
     if len(tokenizer) > shape["vocab_size"]:
-        raise GPUCheckError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab {shape['vocab_size']}")
+        raise GPUCheckError(
+            f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab {shape['vocab_size']}"
+        )
 
     out_dir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     overrides = [
-        f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={n}",
-        f"rollout.response_length={r}", f"rollout.max_tokens_per_turn={r}", "multi_turn.max_assistant_turns=1",
-        "multi_turn.tools=[calculator]", f"actor.ppo_micro_batch_size={micro}", "actor.optim.lr=1e-6",
-        f"rollout.max_batch_size={prompts * n}", "trainer.loggers=[]", "trainer.save_every=0",
-        f"trainer.output_dir={out_dir}", f"trainer.device={device.type}",
-        f"model.dtype={'float32' if low is None else 'bfloat16'}", "data.train_size=64",
+        f"data.train_batch_size={prompts}",
+        f"actor.ppo_mini_batch_size={prompts}",
+        f"rollout.n={n}",
+        f"rollout.response_length={r}",
+        f"rollout.max_tokens_per_turn={r}",
+        "multi_turn.max_assistant_turns=1",
+        "multi_turn.tools=[calculator]",
+        f"actor.ppo_micro_batch_size={micro}",
+        "actor.optim.lr=1e-6",
+        f"rollout.max_batch_size={prompts * n}",
+        "trainer.loggers=[]",
+        "trainer.save_every=0",
+        f"trainer.output_dir={out_dir}",
+        f"trainer.device={device.type}",
+        f"model.dtype={'float32' if low is None else 'bfloat16'}",
+        "data.train_size=64",
     ]
     cfg = load_config(None, overrides)
     weights_fn = None
@@ -198,19 +242,39 @@ def run_check(args) -> dict[str, Any]:
         autocast = low
     else:
         _init_one_rank_group(device)
-        engine = HFEngine(model, tokenizer, device=device, dtype=low, share_weights=False,
-                          max_batch_size=prompts * n, seed=0, stop_at_eos=False)
+        engine = HFEngine(
+            model,
+            tokenizer,
+            device=device,
+            dtype=low,
+            share_weights=False,
+            max_batch_size=prompts * n,
+            seed=0,
+            stop_at_eos=False,
+        )
         hf_model = model
-        actor = fsdp_wrap(model, DistInfo(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo"),
-                          param_dtype=low)
+        actor = fsdp_wrap(
+            model, DistInfo(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo"), param_dtype=low
+        )
 
         def weights_fn():
             return full_state_dict(hf_model)
 
     env = AgentEnv(tokenizer, config=episode_config(cfg), reward_fn=_token_hash_reward)
     optimizer, scheduler = build_optimizer(cfg, actor)
-    trainer = Trainer(cfg, actor, optimizer, scheduler, engine, env, make_split("train", 64, seed=0),
-                      make_split("test", 4, seed=0), out_dir, weights_fn=weights_fn, autocast_dtype=autocast)
+    trainer = Trainer(
+        cfg,
+        actor,
+        optimizer,
+        scheduler,
+        engine,
+        env,
+        make_split("train", 64, seed=0),
+        make_split("test", 4, seed=0),
+        out_dir,
+        weights_fn=weights_fn,
+        autocast_dtype=autocast,
+    )
     try:
         _reset_peak(device)
         t0 = time.perf_counter()
@@ -246,7 +310,8 @@ def run_check(args) -> dict[str, Any]:
             info["fused_vs_unfused"] = {
                 "max_abs_diff_log_probs": float((f["old_log_probs"] - u["old_log_probs"])[mask].abs().max()),
                 "max_abs_diff_sum_pi_squared": float((f["sum_pi_squared"] - u["sum_pi_squared"])[mask].abs().max()),
-                "grad_norm_rel_diff": abs(f["grad_norm"] - u["grad_norm"]) / max(abs(u["grad_norm"]), 1e-30)}
+                "grad_norm_rel_diff": abs(f["grad_norm"] - u["grad_norm"]) / max(abs(u["grad_norm"]), 1e-30),
+            }
         for r in info["sum_pi_squared"].values():
             r.pop("old_log_probs", None)
             r.pop("sum_pi_squared", None)
@@ -264,37 +329,52 @@ def run_check(args) -> dict[str, Any]:
 
 def report(info: dict[str, Any]) -> str:
     st = info["step"]
-    lines = [f"device: {info['device']} (torch {info['torch']}); model: random Qwen3 {info['params_m']:.0f}M params "
-             f"({info['shape']['num_hidden_layers']} layers, hidden {info['shape']['hidden_size']}, vocab "
-             f"{info['shape']['vocab_size']}); {info['trajectories']} trajectories × ≤{info['response_length']} "
-             f"response tokens; actor: {'FSDP2 (1 rank)' if info['fsdp'] else 'plain'}",
-             f"one training step: {st['wall_s']:.1f} s; sampled tokens {st['sampled_tokens']} "
-             f"(mean {st['policy_tokens_mean']:.0f} per trajectory); grad norm {st['grad_norm']:.3g}"]
+    lines = [
+        f"device: {info['device']} (torch {info['torch']}); model: random Qwen3 {info['params_m']:.0f}M params "
+        f"({info['shape']['num_hidden_layers']} layers, hidden {info['shape']['hidden_size']}, vocab "
+        f"{info['shape']['vocab_size']}); {info['trajectories']} trajectories × ≤{info['response_length']} "
+        f"response tokens; actor: {'FSDP2 (1 rank)' if info['fsdp'] else 'plain'}",
+        f"one training step: {st['wall_s']:.1f} s; sampled tokens {st['sampled_tokens']} "
+        f"(mean {st['policy_tokens_mean']:.0f} per trajectory); grad norm {st['grad_norm']:.3g}",
+    ]
     for k, v in st.items():
         if k.startswith("timing/"):
             lines.append(f"  {k[7:]:<18} {v:8.2f} s")
-    lines.append(f"  rollout tokens/s {st['rollout_tokens_per_s']:.0f}; actor (fwd + update) tokens/s "
-                 f"{st['train_tokens_per_s']:.0f}; whole step tokens/s {st['step_tokens_per_s']:.0f}")
+    lines.append(
+        f"  rollout tokens/s {st['rollout_tokens_per_s']:.0f}; actor (fwd + update) tokens/s "
+        f"{st['train_tokens_per_s']:.0f}; whole step tokens/s {st['step_tokens_per_s']:.0f}"
+    )
     if st["peak_mem"]:
-        lines.append(f"  peak CUDA memory in the step: {st['peak_mem']['peak_allocated_gib']:.2f} GiB allocated, "
-                     f"{st['peak_mem']['peak_reserved_gib']:.2f} GiB reserved")
+        lines.append(
+            f"  peak CUDA memory in the step: {st['peak_mem']['peak_allocated_gib']:.2f} GiB allocated, "
+            f"{st['peak_mem']['peak_reserved_gib']:.2f} GiB reserved"
+        )
     lines.append("Σπ² on the same batch (actor forward for old stats, then one PPO forward/backward, no step):")
-    lines.append(f"  {'path':<9} {'old stats s':>12} {'peak GiB':>9} {'fwd+bwd s':>9} {'peak GiB':>9} {'grad norm':>10}")
+    lines.append(
+        f"  {'path':<9} {'old stats s':>12} {'peak GiB':>9} {'fwd+bwd s':>9} {'peak GiB':>9} {'grad norm':>10}"
+    )
     for name, r in info["sum_pi_squared"].items():
         if "error" in r:
             lines.append(f"  {name:<9} {r['error'][:100]}")
             continue
         pk = lambda m: f"{m['peak_allocated_gib']:.2f}" if m else "n/a"  # noqa: E731
-        lines.append(f"  {name:<9} {r['old_stats_s']:>12.2f} {pk(r['old_stats_mem']):>9} {r['update_s']:>9.2f} "
-                     f"{pk(r['update_mem']):>9} {r['grad_norm']:>10.4g}")
+        lines.append(
+            f"  {name:<9} {r['old_stats_s']:>12.2f} {pk(r['old_stats_mem']):>9} {r['update_s']:>9.2f} "
+            f"{pk(r['update_mem']):>9} {r['grad_norm']:>10.4g}"
+        )
     f, u = info["sum_pi_squared"].get("fused", {}), info["sum_pi_squared"].get("unfused", {})
     if f.get("update_mem") and u.get("update_mem"):
-        lines.append(f"  unfused / fused peak memory: forward {u['old_stats_mem']['peak_allocated_gib'] / f['old_stats_mem']['peak_allocated_gib']:.2f}×, "
-                     f"update {u['update_mem']['peak_allocated_gib'] / f['update_mem']['peak_allocated_gib']:.2f}×")
+        lines.append(
+            f"  unfused / fused peak memory: forward "
+            f"{u['old_stats_mem']['peak_allocated_gib'] / f['old_stats_mem']['peak_allocated_gib']:.2f}×, "
+            f"update {u['update_mem']['peak_allocated_gib'] / f['update_mem']['peak_allocated_gib']:.2f}×"
+        )
     if "fused_vs_unfused" in info:
         d = info["fused_vs_unfused"]
-        lines.append(f"  fused vs unfused: max |Δ log π| {d['max_abs_diff_log_probs']:.2e}, max |Δ Σπ²| "
-                     f"{d['max_abs_diff_sum_pi_squared']:.2e}, grad-norm rel. diff {d['grad_norm_rel_diff']:.2e}")
+        lines.append(
+            f"  fused vs unfused: max |Δ log π| {d['max_abs_diff_log_probs']:.2e}, max |Δ Σπ²| "
+            f"{d['max_abs_diff_sum_pi_squared']:.2e}, grad-norm rel. diff {d['grad_norm_rel_diff']:.2e}"
+        )
     return "\n".join(lines)
 
 
@@ -304,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fsdp", action="store_true", help="plain actor (no FSDP2 wrapping)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
-    p.add_argument("--response-length", type=int, default=None, help="response tokens (default 4096; 96 with --cpu-smoke)")
+    p.add_argument(
+        "--response-length", type=int, default=None, help="response tokens (default 4096; 96 with --cpu-smoke)"
+    )
     p.add_argument("--micro-batch-size", type=int, default=2, help="trajectories per actor forward/backward")
     p.add_argument("--out", default=None, help="JSON file for the figures (default runs/gpu_check[_cpu_smoke].json)")
     args = p.parse_args(argv)

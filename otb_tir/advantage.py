@@ -130,9 +130,7 @@ def _group_ids(index: Any, batch: int, device: torch.device) -> tuple[torch.Tens
     try:
         _, inverse = np.unique(arr, return_inverse=True)
     except TypeError as exc:
-        raise ConfigError(
-            f"index (uid) values must be mutually comparable (all str or all int), got {exc}"
-        ) from None
+        raise ConfigError(f"index (uid) values must be mutually comparable (all str or all int), got {exc}") from None
     inverse = np.asarray(inverse).reshape(-1)
     n_groups = int(inverse.max()) + 1
     return torch.from_numpy(inverse.astype(np.int64)).to(device), n_groups
@@ -169,7 +167,9 @@ def _prepare(
     for name, t in tensors.items():
         _check_2d(name, t, shape, required and name != "rollout_is_weights")
     if not mask_in_unit_interval(response_mask):
-        raise ConfigError("response_mask must hold 0/1 values (1 = token sampled by the policy); got values outside [0, 1] or NaN")
+        raise ConfigError(
+            "response_mask must hold 0/1 values (1 = token sampled by the policy); got values outside [0, 1] or NaN"
+        )
     out_dtype = torch.promote_types(token_level_rewards.dtype, response_mask.dtype)
     if not out_dtype.is_floating_point:
         out_dtype = torch.get_default_dtype()
@@ -499,9 +499,7 @@ def rloo(
 
 
 @torch.no_grad()
-def place_reward_on_last_policy_token(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor
-) -> torch.Tensor:
+def place_reward_on_last_policy_token(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Move each row's total reward onto its last ``mask == 1`` token.
 
     verl forms returns from ``token_level_rewards * response_mask``, so a reward sitting on a

@@ -49,8 +49,7 @@ def policy_path(cfg: Any) -> Path:
         return path
     from otb_tir.defaults.warm_start import warm_start_policy
 
-    return Path(warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps,
-                                  seed=0))
+    return Path(warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps, seed=0))
 
 
 def episode_config(cfg: Any, **overrides: Any) -> Any:

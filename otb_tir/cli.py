@@ -30,10 +30,14 @@ def sections_help(schema: type) -> str:
 
 def parser(prog: str, doc: str, schema: type, default_config: str, model_help: str) -> argparse.ArgumentParser:
     """The options both console scripts take; each adds its own before :func:`parse`."""
-    p = argparse.ArgumentParser(prog=prog, description=doc, epilog=sections_help(schema),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=default_config,
-                   help=f"a YAML file, or the name of a shipped config (default: {default_config})")
+    p = argparse.ArgumentParser(
+        prog=prog, description=doc, epilog=sections_help(schema), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config",
+        default=default_config,
+        help=f"a YAML file, or the name of a shipped config (default: {default_config})",
+    )
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
     return p

@@ -40,10 +40,15 @@ def _key_error(key: str, schema: type) -> ConfigError:
     return ConfigError(msg)
 
 
-def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (), *,
-                    choices: Mapping[str, Sequence[Any]] | None = None,
-                    check: Callable[[DictConfig], None] | None = None,
-                    sources_hook: Callable[[list[tuple[str, Any]], list[str]], list[str]] | None = None) -> DictConfig:
+def load_structured(
+    schema: type,
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    choices: Mapping[str, Sequence[Any]] | None = None,
+    check: Callable[[DictConfig], None] | None = None,
+    sources_hook: Callable[[list[tuple[str, Any]], list[str]], list[str]] | None = None,
+) -> DictConfig:
     """``schema``'s defaults ← YAML file ← ``key=value`` overrides, validated.
 
     Raises ConfigError for unknown keys, values of the wrong type and values outside ``choices``

@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     from otb_tir.cli import parse, parser
     from otb_tir.evaluation.config import EvalConfig
 
-    p = parser("otb-tir-eval", __doc__, EvalConfig, "eval_tool_use",
-               "local HF model folder (default: built-in tiny policy)")
+    p = parser(
+        "otb-tir-eval", __doc__, EvalConfig, "eval_tool_use", "local HF model folder (default: built-in tiny policy)"
+    )
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two reports side by side")
     p.add_argument("--out", default=None, help="--compare: PNG to write (default: next to B, compare.png)")
     args = parse(p, argv, "rollout.n=8")

@@ -106,7 +106,9 @@ def variance_proxy_metrics(
 
 
 @torch.no_grad()
-def advantage_stats(advantages: torch.Tensor, response_mask: torch.Tensor, prefix: str = "advantages/") -> dict[str, float]:
+def advantage_stats(
+    advantages: torch.Tensor, response_mask: torch.Tensor, prefix: str = "advantages/"
+) -> dict[str, float]:
     """Mean, std (unbiased), min and max of the advantages over mask = 1 tokens, plus their count.
 
     With no policy token in the batch every statistic is 0.0 and ``num_tokens`` is 0.
@@ -114,7 +116,9 @@ def advantage_stats(advantages: torch.Tensor, response_mask: torch.Tensor, prefi
     if not isinstance(advantages, torch.Tensor) or not isinstance(response_mask, torch.Tensor):
         raise ConfigError("advantages and response_mask must be tensors")
     if advantages.shape != response_mask.shape:
-        raise ConfigError(f"advantages {tuple(advantages.shape)} and response_mask {tuple(response_mask.shape)} differ in shape")
+        raise ConfigError(
+            f"advantages {tuple(advantages.shape)} and response_mask {tuple(response_mask.shape)} differ in shape"
+        )
     values = advantages[response_mask.bool()].to(torch.float64)
     count = values.numel()
     if count == 0:
@@ -150,8 +154,10 @@ def trajectory_metrics(trajs: Sequence[Any], prefix: str = "") -> dict[str, floa
         "response/policy_tokens_mean": float(sampled.mean()),
         "response/tool_token_share": float((total - sampled).sum() / max(total.sum(), 1.0)),
         # per-episode means of where an episode's time went (verl's agent-loop timings, same names)
-        **{f"timing/episode_{k}_s": float(np.mean([t.timings.get(f"{k}_s", 0.0) for t in trajs]))
-           for k in ("generate", "tools", "reward")},
+        **{
+            f"timing/episode_{k}_s": float(np.mean([t.timings.get(f"{k}_s", 0.0) for t in trajs]))
+            for k in ("generate", "tools", "reward")
+        },
     }
     reasons: dict[str, int] = {}
     for t in trajs:
@@ -163,6 +169,11 @@ def trajectory_metrics(trajs: Sequence[Any], prefix: str = "") -> dict[str, floa
 def summary_figures(trajs: Sequence[Any]) -> dict[str, float]:
     """The before/after figures of ``summary.json``."""
     m = trajectory_metrics(trajs)
-    return {"accuracy": m["reward/accuracy"], "tool_call_rate": m["tools/call_rate"],
-            "tool_success_rate": m["tools/success_rate"], "mean_turns": m["episode/turns_mean"],
-            "mean_reward": m["reward/mean"], "n": len(trajs)}
+    return {
+        "accuracy": m["reward/accuracy"],
+        "tool_call_rate": m["tools/call_rate"],
+        "tool_success_rate": m["tools/success_rate"],
+        "mean_turns": m["episode/turns_mean"],
+        "mean_reward": m["reward/mean"],
+        "n": len(trajs),
+    }

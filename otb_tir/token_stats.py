@@ -436,15 +436,15 @@ def token_stats_from_hidden(
     if bias is not None:
         _check_float("bias", bias)
         if bias.shape != (vocab,) or bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise ConfigError(f"bias must be [{vocab}] with hidden's dtype and device, got {tuple(bias.shape)} {bias.dtype}")
+            raise ConfigError(
+                f"bias must be [{vocab}] with hidden's dtype and device, got {tuple(bias.shape)} {bias.dtype}"
+            )
     _check_labels(labels, hidden.shape[:-1], vocab, "hidden")
     if labels.device != hidden.device:
         raise ConfigError(f"labels are on {labels.device} but hidden on {hidden.device}")
     t = _check_temperature(temperature)
     c = _resolve_chunk(chunk, vocab)
-    lp, ent, sp = _HiddenStats.apply(
-        hidden.reshape(-1, hdim), lm_head_weight, bias, labels.reshape(-1).long(), t, c
-    )
+    lp, ent, sp = _HiddenStats.apply(hidden.reshape(-1, hdim), lm_head_weight, bias, labels.reshape(-1).long(), t, c)
     shape = labels.shape
     return TokenStats(lp.view(shape), ent.view(shape), sp.view(shape))
 

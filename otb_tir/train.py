@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     from otb_tir.cli import parse, parser
     from otb_tir.trainer.config import Config
 
-    p = parser("otb-tir-train", __doc__, Config, "tir_math_cpu",
-               "local HF causal LM folder (default: built-in tiny policy)")
+    p = parser(
+        "otb-tir-train", __doc__, Config, "tir_math_cpu", "local HF causal LM folder (default: built-in tiny policy)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     args = parse(p, argv, "rollout.n=4")
 
@@ -52,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if summary is not None:
                 print(json.dumps({k: summary.get(k) for k in ("before", "after", "wall_time_s")}, indent=2))
-                print(f"run folder: {cfg.trainer.output_dir} (summary.json, metrics.jsonl, curves.png, tensorboard/, "
-                      "verl_config.yaml, verl.log)")
+                print(
+                    f"run folder: {cfg.trainer.output_dir} (summary.json, metrics.jsonl, curves.png, tensorboard/, "
+                    "verl_config.yaml, verl.log)"
+                )
             return 0
         from otb_tir.trainer.run import run
 

@@ -100,13 +100,14 @@ def last_boxed(text: str) -> str | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[best[1]:i].strip()
+                return text[best[1] : i].strip()
         i += 1
     return None  # unbalanced
 
 
-def _item(source: str, question: str, truth: str, split: str, index: int,
-          extra: dict[str, Any], instruction: str) -> dict[str, Any]:
+def _item(
+    source: str, question: str, truth: str, split: str, index: int, extra: dict[str, Any], instruction: str
+) -> dict[str, Any]:
     content = f"{question.strip()} {instruction}".strip()
     return {
         "data_source": source,
@@ -117,8 +118,9 @@ def _item(source: str, question: str, truth: str, split: str, index: int,
     }
 
 
-def convert_gsm8k(path: str | Path, split: str, limit: int | None = None,
-                  instruction: str = INSTRUCTION) -> list[dict[str, Any]]:
+def convert_gsm8k(
+    path: str | Path, split: str, limit: int | None = None, instruction: str = INSTRUCTION
+) -> list[dict[str, Any]]:
     """GSM8K jsonl → verl-format dicts."""
     items = []
     for where, record in _read_records(Path(path)):
@@ -127,15 +129,15 @@ def convert_gsm8k(path: str | Path, split: str, limit: int | None = None,
         question = _field(record, "question", where)
         solution = _field(record, "answer", where)
         truth = gsm8k_answer(solution, where)
-        items.append(_item(GSM8K_SOURCE, question, truth, split, len(items),
-                           {"answer": solution}, instruction))
+        items.append(_item(GSM8K_SOURCE, question, truth, split, len(items), {"answer": solution}, instruction))
     if not items:
         raise ConfigError(f"{path}: no GSM8K records found")
     return items
 
 
-def convert_math(path: str | Path, split: str, limit: int | None = None,
-                 instruction: str = INSTRUCTION) -> list[dict[str, Any]]:
+def convert_math(
+    path: str | Path, split: str, limit: int | None = None, instruction: str = INSTRUCTION
+) -> list[dict[str, Any]]:
     """MATH json/jsonl file or directory → verl-format dicts (records without a \\boxed answer are
     skipped with a warning)."""
     items, skipped = [], 0
@@ -149,8 +151,7 @@ def convert_math(path: str | Path, split: str, limit: int | None = None,
             skipped += 1
             logger.warning("%s: no \\boxed{} answer in the solution; skipped", where)
             continue
-        extra = {"solution": solution, "level": str(record.get("level", "")),
-                 "type": str(record.get("type", ""))}
+        extra = {"solution": solution, "level": str(record.get("level", "")), "type": str(record.get("type", ""))}
         items.append(_item(MATH_SOURCE, problem, truth, split, len(items), extra, instruction))
     if not items:
         raise ConfigError(f"{path}: no MATH records with a \\boxed{{}} answer found ({skipped} skipped)")
@@ -158,13 +159,18 @@ def convert_math(path: str | Path, split: str, limit: int | None = None,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gsm8k", type=Path, help="GSM8K jsonl file (question / answer '#### N')")
     parser.add_argument("--math", type=Path, help="MATH json/jsonl file or directory (problem / solution)")
     parser.add_argument("--split", default="train", help="split name for --gsm8k/--math (default: train)")
-    parser.add_argument("--builtin", type=int, metavar="N",
-                        help="write N built-in generator problems (train) and --builtin-test held-out ones")
+    parser.add_argument(
+        "--builtin",
+        type=int,
+        metavar="N",
+        help="write N built-in generator problems (train) and --builtin-test held-out ones",
+    )
     parser.add_argument("--builtin-test", type=int, metavar="M", help="held-out size (default: N // 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the built-in generator")
     parser.add_argument("--limit", type=int, help="keep at most this many records per input")

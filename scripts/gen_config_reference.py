@@ -45,10 +45,10 @@ def _own_comments(cls: type) -> dict[str, str]:
     out: dict[str, str] = {}
     for node in ast.parse(src).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            text = "\n".join(lines[node.lineno - 1:node.end_lineno])
-            before = [ln.strip()[1:].strip() for ln in reversed(lines[:node.lineno - 1])]
+            text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            before = [ln.strip()[1:].strip() for ln in reversed(lines[: node.lineno - 1])]
             lead = []
-            for ln, raw in zip(before, reversed(lines[:node.lineno - 1])):
+            for ln, raw in zip(before, reversed(lines[: node.lineno - 1])):
                 if not raw.strip().startswith("#"):
                     break
                 lead.insert(0, ln)
@@ -91,9 +91,10 @@ def render() -> str:
     from otb_tir.trainer.config import CHOICES, Config
 
     parts = [HEADER]
-    for title, schema, choices in [("Training (`otb-tir-train`, `recipes/train_tir_math.py`)", Config, CHOICES),
-                                   ("Evaluation (`otb-tir-eval`, `recipes/eval_tool_use.py`)", EvalConfig,
-                                    EVAL_CHOICES)]:
+    for title, schema, choices in [
+        ("Training (`otb-tir-train`, `recipes/train_tir_math.py`)", Config, CHOICES),
+        ("Evaluation (`otb-tir-eval`, `recipes/eval_tool_use.py`)", EvalConfig, EVAL_CHOICES),
+    ]:
         parts.append(f"\n## {title}\n")
         for f in fields(schema):
             sub = f.default_factory()  # type: ignore[misc]

@@ -15,7 +15,6 @@ from typing import Callable
 
 import pytest
 
-
 HEAVY_TIERS = ("fsdp", "vllm", "verl", "docker")
 
 

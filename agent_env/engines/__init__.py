@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from agent_env.engines.base import Engine, EngineError, GenerationOutput, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
-    from agent_env.engines.hf import HFEngine
-    from agent_env.engines.sglang import SGLangEngine
-    from agent_env.engines.vllm import VLLMEngine
+    from agent_env.engines.hf import HFEngine  # noqa: F401 (exported lazily, see _LAZY)
+    from agent_env.engines.sglang import SGLangEngine  # noqa: F401
+    from agent_env.engines.vllm import VLLMEngine  # noqa: F401
 
 _LAZY = {
     "HFEngine": "agent_env.engines.hf",

@@ -44,15 +44,15 @@ class GenerationOutput:
 
 @runtime_checkable
 class Engine(Protocol):
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        ...
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput: ...
 
-    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    async def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
         """Load new policy weights (on-policy training). Must leave no stale cache behind."""
         ...
 
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...
 
 
 class EngineError(Exception):
@@ -62,7 +62,5 @@ class EngineError(Exception):
 def missing_extra(package: str, extra: str) -> EngineError:
     """The one clear error for an optional dependency that is not installed."""
     return EngineError(
-        f"this engine needs the optional package '{package}', which is not installed: "
-        f"pip install 'otb-tir[{extra}]'"
+        f"this engine needs the optional package '{package}', which is not installed: pip install 'otb-tir[{extra}]'"
     )
-

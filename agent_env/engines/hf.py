@@ -133,7 +133,9 @@ class HFEngine:
                 model = copy.deepcopy(model_or_path)
                 model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
         else:
-            raise EngineError(f"model_or_path must be a model folder or a torch module, got {type(model_or_path).__name__}")
+            raise EngineError(
+                f"model_or_path must be a model folder or a torch module, got {type(model_or_path).__name__}"
+            )
         if not isinstance(model, PreTrainedModel):
             raise EngineError("HFEngine needs a transformers PreTrainedModel (causal LM with a KV cache)")
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -177,7 +179,9 @@ class HFEngine:
             req.finish_reason = "abort"  # the step loop drops it at its next step
             raise
 
-    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    async def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
         """Copy new weights into the engine's model (a no-op copy when sharing weights).
 
         Keys/values cached for requests in flight were computed with the old weights: they are
@@ -364,8 +368,8 @@ class HFEngine:
         ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.tensor(s)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
@@ -381,7 +385,7 @@ class HFEngine:
         """Sample one token per row, record it, set it as the row's next input; return finished rows."""
         tokens, logprobs = _sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         assert self._next is not None
-        self._next[rows.start:rows.stop] = tokens.to(self.device)
+        self._next[rows.start : rows.stop] = tokens.to(self.device)
         finished = []
         for row, req, tok, lp in zip(rows, reqs, tokens.tolist(), logprobs.tolist()):
             req.out_ids.append(tok)
@@ -403,7 +407,7 @@ class HFEngine:
             return False
         # A stop string that just appeared ends inside the newest token and spans at most
         # 4 bytes per character, hence at most stop_window tokens (each token has >= 1 byte).
-        tail = self.tokenizer.decode(req.out_ids[-req.stop_window:], skip_special_tokens=False)
+        tail = self.tokenizer.decode(req.out_ids[-req.stop_window :], skip_special_tokens=False)
         return any(s and s in tail for s in req.params.stop)
 
     # ------------------------------------------------------------------ batch bookkeeping
@@ -447,7 +451,11 @@ class HFEngine:
                 b = torch.nn.functional.pad(b, (0, 0, width - t_new, 0))
                 setattr(old, name, torch.cat([a, b], dim=0))
         self._mask = torch.cat(
-            [torch.nn.functional.pad(self._mask, (width - t_old, 0)), torch.nn.functional.pad(mask, (width - t_new, 0))], dim=0
+            [
+                torch.nn.functional.pad(self._mask, (width - t_old, 0)),
+                torch.nn.functional.pad(mask, (width - t_new, 0)),
+            ],
+            dim=0,
         )
         self._next = torch.cat([self._next, new_next])
         self._pos = torch.cat([self._pos, lengths])
@@ -489,7 +497,9 @@ class HFEngine:
                 for name, tensor in items:
                     target = params[name]
                     if target.shape != tensor.shape:
-                        raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                        raise EngineError(
+                            f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                        )
                     target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
             # In-flight rows: their cached keys/values are stale; prefill them again next step.
             if self._active:

@@ -94,8 +94,7 @@ def parse_sglang_output(output: Mapping[str, Any]) -> GenerationOutput:
     output_ids = output.get("output_ids")
     if output_ids is not None and [int(t) for t in output_ids] != token_ids:
         raise EngineError(
-            f"sglang output_ids ({len(output_ids)} ids) disagree with output_token_logprobs "
-            f"({len(token_ids)} ids)"
+            f"sglang output_ids ({len(output_ids)} ids) disagree with output_token_logprobs ({len(token_ids)} ids)"
         )
     fr = meta.get("finish_reason")
     if isinstance(fr, Mapping):
@@ -107,10 +106,17 @@ def parse_sglang_output(output: Mapping[str, Any]) -> GenerationOutput:
     return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH_MAP[kind])
 
 
-def _as_named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def _as_named_list(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
     for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+        if not (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
             raise EngineError(f"update_weights expects (name: str, tensor: torch.Tensor) pairs, got {item!r:.120}")
     return [(name, t.detach()) for name, t in items]
 

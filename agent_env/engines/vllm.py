@@ -60,8 +60,9 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def to_vllm_sampling_params(params: SamplingParams, prompt_len: int, max_model_len: int | None,
-                            allow_truncated_logprobs: bool = False) -> dict[str, Any]:
+def to_vllm_sampling_params(
+    params: SamplingParams, prompt_len: int, max_model_len: int | None, allow_truncated_logprobs: bool = False
+) -> dict[str, Any]:
     """Keyword arguments for ``vllm.SamplingParams`` implementing the Engine contract.
 
     ``max_tokens`` is capped by what the context window leaves after the prompt (the request
@@ -125,11 +126,18 @@ def parse_vllm_completion(completion: Any) -> GenerationOutput:
     return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH_MAP.get(reason, "abort"))
 
 
-def _named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def _named_list(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
     out = []
     for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+        if not (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
             raise EngineError(f"update_weights expects (name: str, tensor: torch.Tensor) pairs, got {item!r:.120}")
         out.append((item[0], item[1].detach()))
     if not out:
@@ -154,8 +162,9 @@ def _checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ..
     return shapes
 
 
-def check_update_names(items: list[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]] | None,
-                       tied: bool) -> None:
+def check_update_names(
+    items: list[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]] | None, tied: bool
+) -> None:
     """Refuse an update whose names or shapes do not match the checkpoint, before touching vLLM.
 
     A failed in-place reload could leave the engine half-updated, so a bad update is rejected
@@ -177,11 +186,14 @@ def check_update_names(items: list[tuple[str, torch.Tensor]], shapes: Mapping[st
             parts.append(f"unknown names {unknown[:8]}{' …' if len(unknown) > 8 else ''}")
         if mismatched:
             parts.append(f"wrong shapes {mismatched[:8]}")
-        raise EngineError("update_weights refused (" + "; ".join(parts) + "): names and shapes must match the "
-                          "HF checkpoint the engine was started from; the engine keeps its current weights")
+        raise EngineError(
+            "update_weights refused (" + "; ".join(parts) + "): names and shapes must match the "
+            "HF checkpoint the engine was started from; the engine keeps its current weights"
+        )
 
 
 # Worker-side functions (run through ``collective_rpc``; module level so they can be pickled).
+
 
 def _worker_reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> int:
     runner = worker.model_runner
@@ -229,8 +241,12 @@ class _Abort:
     request_id: str
 
 
-def _resolve(pending_loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any = None,
-             error: BaseException | None = None) -> None:
+def _resolve(
+    pending_loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future,
+    value: Any = None,
+    error: BaseException | None = None,
+) -> None:
     def _set() -> None:
         if future.done():
             return
@@ -291,21 +307,29 @@ class VLLMEngine:
         if weight_update not in _WEIGHT_UPDATE_MODES:
             raise EngineError(f"weight_update must be one of {_WEIGHT_UPDATE_MODES}, got {weight_update!r}")
         if not os.path.isdir(model_path):
-            raise EngineError(f"model_path {str(model_path)!r} is not a local folder (save the model with save_pretrained)")
+            raise EngineError(
+                f"model_path {str(model_path)!r} is not a local folder (save the model with save_pretrained)"
+            )
         mode = engine_kwargs.pop("logprobs_mode", "processed_logprobs")
         if mode != "processed_logprobs":
-            raise EngineError(f"logprobs_mode={mode!r} would break the Engine contract; VLLMEngine uses 'processed_logprobs'")
+            raise EngineError(
+                f"logprobs_mode={mode!r} would break the Engine contract; VLLMEngine uses 'processed_logprobs'"
+            )
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in ("0", "false", "False"):
-            logger.warning("VLLM_ENABLE_V1_MULTIPROCESSING is on: vLLM's engine core runs in another process, "
-                           "so update_weights pickles the tensors (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)")
+            logger.warning(
+                "VLLM_ENABLE_V1_MULTIPROCESSING is on: vLLM's engine core runs in another process, "
+                "so update_weights pickles the tensors (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)"
+            )
 
         self.on_cpu = bool(current_platform.is_cpu())
         if dtype is None:
             dtype = "float32" if self.on_cpu else "auto"
-        self.weight_update_mode = ("reload" if self.on_cpu else "load_weights") if weight_update == "auto" else weight_update
+        self.weight_update_mode = (
+            ("reload" if self.on_cpu else "load_weights") if weight_update == "auto" else weight_update
+        )
         self.allow_truncated_logprobs = allow_truncated_logprobs
         self._vllm = vllm
         llm_kwargs: dict[str, Any] = dict(
@@ -381,7 +405,9 @@ class VLLMEngine:
     def _execute(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
             try:
-                self._engine.add_request(cmd.request_id, self._vllm.TokensPrompt(prompt_token_ids=cmd.prompt_ids), cmd.sampling)
+                self._engine.add_request(
+                    cmd.request_id, self._vllm.TokensPrompt(prompt_token_ids=cmd.prompt_ids), cmd.sampling
+                )
             except Exception as exc:
                 _resolve(cmd.pending.loop, cmd.pending.future, error=EngineError(f"vLLM rejected the request: {exc}"))
                 return

@@ -72,12 +72,15 @@ def _pick(rng: random.Random, options: list[str]) -> str:
 def _gen_mul(rng: random.Random) -> Problem:
     a = rng.randint(100, 9999)
     b = rng.randint(12, 999)
-    q = _pick(rng, [
-        f"A farm packs {a} crates with {b} apples in each crate. How many apples are packed in total?",
-        f"A factory makes {a} boxes and puts {b} screws in each box. How many screws does it use?",
-        f"A theater sells {a} tickets at {b} dollars each. How many dollars does it take in?",
-        f"What is {a} times {b}?",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"A farm packs {a} crates with {b} apples in each crate. How many apples are packed in total?",
+            f"A factory makes {a} boxes and puts {b} screws in each box. How many screws does it use?",
+            f"A theater sells {a} tickets at {b} dollars each. How many dollars does it take in?",
+            f"What is {a} times {b}?",
+        ],
+    )
     return Problem("mul", q, f"{a}*{b}", _fmt(a * b), f"mul:{a}:{b}")
 
 
@@ -85,11 +88,14 @@ def _gen_add(rng: random.Random) -> Problem:
     a = rng.randint(10000, 99999)
     b = rng.randint(1000, 99999)
     c = rng.randint(1000, a + b - 1)
-    q = _pick(rng, [
-        f"A library had {a} books, bought {b} more and gave away {c}. How many books does it have now?",
-        f"A tank holds {a} liters. {b} liters are added and {c} liters are drained. How many liters are left?",
-        f"What is {a} plus {b} minus {c}?",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"A library had {a} books, bought {b} more and gave away {c}. How many books does it have now?",
+            f"A tank holds {a} liters. {b} liters are added and {c} liters are drained. How many liters are left?",
+            f"What is {a} plus {b} minus {c}?",
+        ],
+    )
     return Problem("add", q, f"{a}+{b}-{c}", _fmt(a + b - c), f"add:{a}:{b}:{c}")
 
 
@@ -97,11 +103,14 @@ def _gen_div(rng: random.Random) -> Problem:
     d = rng.randint(13, 997)
     quotient = rng.randint(101, 9999)
     n = d * quotient
-    q = _pick(rng, [
-        f"{n} candies are shared equally among {d} children. How many candies does each child get?",
-        f"A road of {n} meters is split into {d} equal parts. How many meters long is each part?",
-        f"What is {n} divided by {d}?",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"{n} candies are shared equally among {d} children. How many candies does each child get?",
+            f"A road of {n} meters is split into {d} equal parts. How many meters long is each part?",
+            f"What is {n} divided by {d}?",
+        ],
+    )
     return Problem("div", q, f"{n}/{d}", _fmt(quotient), f"div:{n}:{d}")
 
 
@@ -115,21 +124,28 @@ def _gen_frac(rng: random.Random) -> Problem:
     x, y = Fraction(p, q_), Fraction(r, s)
     value = x + y if op == "+" else x * y if op == "*" else x - y
     word = {"+": "plus", "*": "times", "-": "minus"}[op]
-    q = _pick(rng, [
-        f"What is {p}/{q_} {word} {r}/{s}? Give the answer as a reduced fraction.",
-        f"Compute {p}/{q_} {op} {r}/{s} as a reduced fraction.",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"What is {p}/{q_} {word} {r}/{s}? Give the answer as a reduced fraction.",
+            f"Compute {p}/{q_} {op} {r}/{s} as a reduced fraction.",
+        ],
+    )
     return Problem("frac", q, f"{p}/{q_}{op}{r}/{s}", _fmt(value), f"frac:{p}:{q_}:{op}:{r}:{s}")
 
 
 def _gen_pow(rng: random.Random) -> Problem:
     a = rng.randint(3, 29)
     b = rng.randint(3, 7)
-    q = _pick(rng, [
-        f"A colony of cells grows {a} times larger every hour, starting from one cell. How many cells are there after {b} hours?",
-        f"What is {a} to the power of {b}?",
-        f"Compute {a}**{b}.",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"A colony of cells grows {a} times larger every hour, starting from one cell. "
+            f"How many cells are there after {b} hours?",
+            f"What is {a} to the power of {b}?",
+            f"Compute {a}**{b}.",
+        ],
+    )
     return Problem("pow", q, f"{a}**{b}", _fmt(a**b), f"pow:{a}:{b}")
 
 
@@ -137,16 +153,22 @@ def _gen_mod(rng: random.Random) -> Problem:
     m = rng.randint(7, 97)
     if rng.random() < 0.5:
         a, b = rng.randint(1000, 99999), rng.randint(100, 9999)
-        q = _pick(rng, [
-            f"What is the remainder when {a} times {b} is divided by {m}?",
-            f"Compute ({a}*{b}) mod {m}.",
-        ])
+        q = _pick(
+            rng,
+            [
+                f"What is the remainder when {a} times {b} is divided by {m}?",
+                f"Compute ({a}*{b}) mod {m}.",
+            ],
+        )
         return Problem("mod", q, f"({a}*{b}) % {m}", _fmt((a * b) % m), f"modmul:{a}:{b}:{m}")
     a, b = rng.randint(2, 99), rng.randint(5, 30)
-    q = _pick(rng, [
-        f"What is the remainder when {a} to the power of {b} is divided by {m}?",
-        f"Compute ({a}**{b}) mod {m}.",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"What is the remainder when {a} to the power of {b} is divided by {m}?",
+            f"Compute ({a}**{b}) mod {m}.",
+        ],
+    )
     return Problem("mod", q, f"({a}**{b}) % {m}", _fmt(pow(a, b, m)), f"modpow:{a}:{b}:{m}")
 
 
@@ -159,10 +181,13 @@ def _gen_linear(rng: random.Random) -> Problem:
     x = rng.randint(-999, 999)
     b = rng.randint(-9999, 9999)
     c = a * x + b
-    q = _pick(rng, [
-        f"Solve for x: {a}*x {_signed(b)} = {c}.",
-        f"Find x if {a}*x {_signed(b)} = {c}.",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"Solve for x: {a}*x {_signed(b)} = {c}.",
+            f"Find x if {a}*x {_signed(b)} = {c}.",
+        ],
+    )
     expr = f"({c} - {b})/{a}" if b >= 0 else f"({c} + {-b})/{a}"
     return Problem("linear", q, expr, _fmt(x), f"linear:{a}:{b}:{c}")
 
@@ -175,10 +200,13 @@ def _gen_quadratic(rng: random.Random) -> Problem:
     s, p = r1 + r2, r1 * r2  # x^2 - s x + p = 0
     bx = -s
     lhs = "x**2" + (f" {_signed(bx)}*x" if bx else "") + (f" {_signed(p)}" if p else "")
-    q = _pick(rng, [
-        f"Find the larger solution of {lhs} = 0.",
-        f"What is the largest x with {lhs} = 0?",
-    ])
+    q = _pick(
+        rng,
+        [
+            f"Find the larger solution of {lhs} = 0.",
+            f"What is the largest x with {lhs} = 0?",
+        ],
+    )
     expr = f"({s} + sqrt(({s})**2 - 4*({p})))/2"
     return Problem("quadratic", q, expr, _fmt(max(r1, r2)), f"quadratic:{s}:{p}")
 
@@ -242,8 +270,9 @@ def iter_problems(split: str, seed: int = 0, kinds: Iterable[str] | None = None)
         yield problem
 
 
-def make_split(split: str = "train", n: int = 1000, seed: int = 0,
-               kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
+def make_split(
+    split: str = "train", n: int = 1000, seed: int = 0, kinds: Iterable[str] | None = None
+) -> list[dict[str, Any]]:
     """``n`` distinct problems of ``split`` ("train" or "test") in verl's dict format.
 
     Deterministic in ``(split, n, seed, kinds)`` (a larger ``n`` extends a smaller one). Train and
@@ -264,10 +293,12 @@ REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 
 def _check_item(item: dict[str, Any], where: str) -> None:
     prompt = item.get("prompt")
-    if not isinstance(prompt, list) or not prompt or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        raise EnvError(f"{where}: 'prompt' must be a non-empty list of {{role, content}} messages, "
-                       f"got {prompt!r:.200}")
+    if (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    ):
+        raise EnvError(f"{where}: 'prompt' must be a non-empty list of {{role, content}} messages, got {prompt!r:.200}")
     rm = item.get("reward_model")
     if not isinstance(rm, dict) or rm.get("ground_truth") is None:
         raise EnvError(f"{where}: 'reward_model' must be a struct with a 'ground_truth' field, got {rm!r:.200}")
@@ -293,9 +324,11 @@ def load_parquet(path: str | Path) -> list[dict[str, Any]]:
         raise EnvError(f"{path} is not a readable parquet file: {exc}") from exc
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
-        raise EnvError(f"{path} lacks the verl column(s) {missing}; it has {table.column_names}. "
-                       "Expected data_source, prompt, reward_model (with ground_truth), "
-                       "extra_info, agent_name (see recipes/prepare_data.py).")
+        raise EnvError(
+            f"{path} lacks the verl column(s) {missing}; it has {table.column_names}. "
+            "Expected data_source, prompt, reward_model (with ground_truth), "
+            "extra_info, agent_name (see recipes/prepare_data.py)."
+        )
     rows = table.to_pylist()
     for i, row in enumerate(rows):
         if isinstance(row.get("extra_info"), str):  # some producers store it as JSON text

@@ -108,9 +108,9 @@ def extract_boxed(text: str) -> str | None:
                     matches = _brace_matches(text)
                 end = matches.get(j)
                 if end is not None:
-                    content = text[j + 1:end]
+                    content = text[j + 1 : end]
             elif j > start and j < len(text):  # "\boxed 5": one token after a space
-                m = re.match(r"[^\s$]+", text[j:j + MAX_ANSWER_CHARS + 1])
+                m = re.match(r"[^\s$]+", text[j : j + MAX_ANSWER_CHARS + 1])
                 if m:
                     content = m.group(0)
             if content is not None and (best is None or i >= best[0]):
@@ -132,7 +132,7 @@ def _clean_phrase_answer(ans: str) -> str:
     # Strip surrounding math delimiters and a trailing sentence period.
     for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if ans.startswith(left) and ans.endswith(right) and len(ans) >= len(left) + len(right):
-            ans = ans[len(left):len(ans) - len(right)].strip()
+            ans = ans[len(left) : len(ans) - len(right)].strip()
             break
     ans = re.sub(r"[.\s]+$", "", ans)
     return ans
@@ -261,8 +261,11 @@ def math_reward(
     """
     cfg = config or RewardConfig()
     answer, method = extract_answer(response)
-    details: dict[str, Any] = {"extracted": answer, "extraction": method,
-                               "ground_truth": None if ground_truth is None else str(ground_truth)}
+    details: dict[str, Any] = {
+        "extracted": answer,
+        "extraction": method,
+        "ground_truth": None if ground_truth is None else str(ground_truth),
+    }
     correct = False
     if answer is None:
         details["reason"] = "no final answer found"

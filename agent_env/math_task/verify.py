@@ -42,9 +42,14 @@ class _Child:
     def _start(self) -> None:
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         # the file as a script (-I: no PYTHONPATH, no cwd): the child imports math-verify, nothing of ours
-        self.proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     env=env, close_fds=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            close_fds=True,
+        )
         _CHILDREN.add(self)
         self.buf = b""
         line = self._readline(time.monotonic() + START_TIMEOUT_S)

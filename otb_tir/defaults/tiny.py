@@ -63,8 +63,38 @@ def chat_template() -> str:
 
 # ----------------------------------------------------------------------------- corpus
 
-_NAMES = ["Ava", "Ben", "Chen", "Dana", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Mia", "Noor", "Omar", "Priya"]
-_ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cookies", "cards", "stamps", "shells", "tickets", "eggs"]
+_NAMES = [
+    "Ava",
+    "Ben",
+    "Chen",
+    "Dana",
+    "Eli",
+    "Fatima",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jade",
+    "Kofi",
+    "Lena",
+    "Mia",
+    "Noor",
+    "Omar",
+    "Priya",
+]
+_ITEMS = [
+    "apples",
+    "books",
+    "coins",
+    "marbles",
+    "pencils",
+    "stickers",
+    "cookies",
+    "cards",
+    "stamps",
+    "shells",
+    "tickets",
+    "eggs",
+]
 _WORDS = """
     the of and to in is it that for was on are with as be at by this have from or one had not
     but what all were when we there can an your which their said if do will each about how up
@@ -88,6 +118,8 @@ _WORDS = """
     half twice triple dozen hundred thousand million minutes hours days weeks meters kilometers
     speed distance rate area perimeter volume
 """.split()
+
+
 def _sentence(rng: random.Random) -> str:
     n = rng.randint(5, 14)
     text = " ".join(rng.choice(_WORDS) for _ in range(n))
@@ -301,7 +333,9 @@ def tiny_policy_dir(
         "seed": seed,
         "model": asdict(settings),
         "template_sha": hashlib.sha256(chat_template().encode()).hexdigest(),
-        "corpus_sha": hashlib.sha256("\n".join(_corpus_lines(tokenizer_seed, TOKENIZER_CORPUS_SAMPLES)).encode()).hexdigest(),
+        "corpus_sha": hashlib.sha256(
+            "\n".join(_corpus_lines(tokenizer_seed, TOKENIZER_CORPUS_SAMPLES)).encode()
+        ).hexdigest(),
         "tokens": [_SPLIT_PATTERN, SPECIAL_TOKENS, MARKUP_TOKENS],
     }
     final = artifact_dir(cache_dir, "tiny-qwen3", key)

@@ -54,8 +54,14 @@ _MARKER = "otb_tir_warm_start.json"
 #: guesses (and is wrong) but sampling at T=1 still calls the tool often enough for RL to
 #: reinforce it.
 DEFAULT_TOOL_SHARE: dict[str, float] = {
-    "linear": 0.9, "pow": 0.9, "mod": 0.9,
-    "mul": 0.3, "add": 0.3, "div": 0.3, "frac": 0.3, "quadratic": 0.3,
+    "linear": 0.9,
+    "pow": 0.9,
+    "mod": 0.9,
+    "mul": 0.3,
+    "add": 0.3,
+    "div": 0.3,
+    "frac": 0.3,
+    "quadratic": 0.3,
 }
 
 
@@ -93,12 +99,18 @@ class TraceMixture:
 
     def mode_weights(self, kind: str) -> dict[str, float]:
         """Probabilities of ``tool`` / ``python`` / ``guess`` / ``wrong_tool`` for one problem kind."""
-        w = {"tool": self.tool, "python": self.python if kind in _PYTHON_KINDS else 0.0,
-             "guess": self.guess, "wrong_tool": self.wrong_tool}
+        w = {
+            "tool": self.tool,
+            "python": self.python if kind in _PYTHON_KINDS else 0.0,
+            "guess": self.guess,
+            "wrong_tool": self.wrong_tool,
+        }
         if kind in self.tool_share:
             tools = w["tool"] + w["python"] + w["wrong_tool"]
             share = self.tool_share[kind] if tools > 0 else 0.0
-            w = {m: (v / tools * share if tools > 0 else 0.0) for m, v in w.items() if m != "guess"} | {"guess": 1 - share}
+            w = {m: (v / tools * share if tools > 0 else 0.0) for m, v in w.items() if m != "guess"} | {
+                "guess": 1 - share
+            }
         total = sum(w.values())
         if total <= 0:
             return {"tool": 1.0, "python": 0.0, "guess": 0.0, "wrong_tool": 0.0}
@@ -145,7 +157,7 @@ def _perturb_number(text: str, rng: random.Random) -> str:
     i = rng.choice(digits)
     leading = (i == 0 or not text[i - 1].isdigit()) and i + 1 < len(text) and text[i + 1].isdigit()
     choices = [d for d in "0123456789" if d != text[i] and not (leading and d == "0")]
-    return text[:i] + rng.choice(choices) + text[i + 1:]
+    return text[:i] + rng.choice(choices) + text[i + 1 :]
 
 
 @dataclass
@@ -188,8 +200,7 @@ def plan_messages(plan: _Plan) -> list[dict[str, Any]]:
         return messages + [_final(plan.answer)]
     if plan.result is None:
         raise ConfigError("run the tool calls (run_plans) before rendering a tool trace")
-    messages.append({"role": "assistant", "content": "",
-                     "tool_calls": [{"type": "function", "function": plan.call}]})
+    messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": plan.call}]})
     messages.append({"role": "tool", "content": plan.result})
     messages.append(_final(final_answer_from_result(plan.result)))
     return messages
@@ -256,7 +267,9 @@ class WarmStartSettings:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"warm start {name} must be a positive int, got {value!r}")
         if self.hidden_size % 64:
-            raise ConfigError(f"warm start hidden_size must be a multiple of 64 (the head size), got {self.hidden_size}")
+            raise ConfigError(
+                f"warm start hidden_size must be a multiple of 64 (the head size), got {self.hidden_size}"
+            )
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
             raise ConfigError(f"warm start warmup_steps must be in [0, steps), got {self.warmup_steps!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -265,32 +278,61 @@ class WarmStartSettings:
         from agent_env.math_task.data import KINDS
 
         if self.copy_steps and not any(self.mixture.mode_weights(k)["guess"] < 1 for k in KINDS):
-            raise ConfigError("copy_steps > 0 needs a mixture with tool-call traces (every kind only guesses); "
-                              "set copy_steps=0 or give some kind a tool share")
+            raise ConfigError(
+                "copy_steps > 0 needs a mixture with tool-call traces (every kind only guesses); "
+                "set copy_steps=0 or give some kind a tool share"
+            )
         self.sft_config().validate()
 
     def sft_config(self, progress: bool = False) -> SFTConfig:
-        return SFTConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, seed=self.seed,
-                         warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio, progress=progress)
+        return SFTConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            seed=self.seed,
+            warmup_steps=self.warmup_steps,
+            min_lr_ratio=self.min_lr_ratio,
+            progress=progress,
+        )
 
     def copy_sft_config(self, progress: bool = False) -> SFTConfig:
         """The first (tool traces only) phase: same optimiser settings, ``copy_steps`` steps."""
-        return replace(self.sft_config(progress), steps=self.copy_steps, seed=self.seed + 1,
-                       warmup_steps=min(self.warmup_steps, self.copy_steps - 1), min_lr_ratio=1.0)
+        return replace(
+            self.sft_config(progress),
+            steps=self.copy_steps,
+            seed=self.seed + 1,
+            warmup_steps=min(self.warmup_steps, self.copy_steps - 1),
+            min_lr_ratio=1.0,
+        )
 
     def base_model_overrides(self) -> dict[str, int]:
         """Keyword arguments of ``otb_tir.defaults.tiny.tiny_policy_dir`` for this base size."""
-        return {"hidden_size": self.hidden_size, "layers": self.layers, "heads": self.hidden_size // 64,
-                "kv_heads": max(1, self.hidden_size // 128), "head_dim": 64,
-                "intermediate_size": 3 * self.hidden_size}
+        return {
+            "hidden_size": self.hidden_size,
+            "layers": self.layers,
+            "heads": self.hidden_size // 64,
+            "kv_heads": max(1, self.hidden_size // 128),
+            "head_dim": 64,
+            "intermediate_size": 3 * self.hidden_size,
+        }
 
 
-def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int | None = None,
-                      seed: int = 0, n_traces: int | None = None, batch_size: int | None = None,
-                      copy_steps: int | None = None,
-                      lr: float | None = None, hidden_size: int | None = None, layers: int | None = None,
-                      warmup_steps: int | None = None, mixture: TraceMixture | None = None,
-                      base: str | os.PathLike | None = None, progress: bool = True) -> Path:
+def warm_start_policy(
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    n_traces: int | None = None,
+    batch_size: int | None = None,
+    copy_steps: int | None = None,
+    lr: float | None = None,
+    hidden_size: int | None = None,
+    layers: int | None = None,
+    warmup_steps: int | None = None,
+    mixture: TraceMixture | None = None,
+    base: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> Path:
     """The tiny policy after a short SFT on generated traces: an HF folder (model + tokenizer with
     its chat template) loadable by ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM.
 
@@ -306,18 +348,31 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
     from agent_env.cache import artifact_dir, publish
     from otb_tir.defaults.tiny import tiny_policy_dir
 
-    given = {"steps": steps, "copy_steps": copy_steps, "n_traces": n_traces, "batch_size": batch_size, "lr": lr,
-             "hidden_size": hidden_size, "layers": layers, "warmup_steps": warmup_steps}
-    settings = WarmStartSettings(seed=seed, mixture=mixture or TraceMixture(),
-                                 **{k: v for k, v in given.items() if v is not None})
+    given = {
+        "steps": steps,
+        "copy_steps": copy_steps,
+        "n_traces": n_traces,
+        "batch_size": batch_size,
+        "lr": lr,
+        "hidden_size": hidden_size,
+        "layers": layers,
+        "warmup_steps": warmup_steps,
+    }
+    settings = WarmStartSettings(
+        seed=seed, mixture=mixture or TraceMixture(), **{k: v for k, v in given.items() if v is not None}
+    )
     settings.validate()
     base_path = Path(base) if base is not None else tiny_policy_dir(cache_dir, **settings.base_model_overrides())
     if not (base_path / "config.json").is_file():
         raise ConfigError(f"base policy folder {base_path} has no config.json (not an HF model folder)")
     schemas = tool_schemas()
-    key = {"version": WARM_VERSION, "settings": asdict(settings), "base": str(base_path.resolve()),
-           "base_config": (base_path / "config.json").read_text(),
-           "tools": schemas}
+    key = {
+        "version": WARM_VERSION,
+        "settings": asdict(settings),
+        "base": str(base_path.resolve()),
+        "base_config": (base_path / "config.json").read_text(),
+        "tools": schemas,
+    }
     final = artifact_dir(cache_dir, "warm", key)
 
     def build(tmp: Path) -> dict[str, Any]:
@@ -325,15 +380,21 @@ def warm_start_policy(cache_dir: str | os.PathLike | None = None, *, steps: int 
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         losses = record["losses"]
-        logger.info("warm start cached in %s (traces %.1f s, training %.1f s, final loss %.3f)",
-                    final, record["trace_seconds"], record["train_seconds"], sum(losses[-10:]) / len(losses[-10:]))
+        logger.info(
+            "warm start cached in %s (traces %.1f s, training %.1f s, final loss %.3f)",
+            final,
+            record["trace_seconds"],
+            record["train_seconds"],
+            sum(losses[-10:]) / len(losses[-10:]),
+        )
         return record
 
     return publish(final, _MARKER, build, {"key": key | {"base_config": None}})
 
 
-def _train(settings: WarmStartSettings, base_path: Path, schemas: list[dict[str, Any]],
-           progress: bool) -> tuple[Any, Any, dict[str, Any]]:
+def _train(
+    settings: WarmStartSettings, base_path: Path, schemas: list[dict[str, Any]], progress: bool
+) -> tuple[Any, Any, dict[str, Any]]:
     """Both SFT phases from ``base_path``: the trained model, its tokenizer and the build's record."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -355,8 +416,16 @@ def _train(settings: WarmStartSettings, base_path: Path, schemas: list[dict[str,
     logger.info("warm start phase 2: %d steps on all %d traces", settings.steps, len(examples))
     losses += sft_train(model, examples, tokenizer.pad_token_id, settings.sft_config(progress=progress))
     t2 = time.perf_counter()
-    return model, tokenizer, {"losses": losses, "trace_seconds": t1 - t0, "train_seconds": t2 - t1,
-                              "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
+    return (
+        model,
+        tokenizer,
+        {
+            "losses": losses,
+            "trace_seconds": t1 - t0,
+            "train_seconds": t2 - t1,
+            "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples),
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- quick check
@@ -394,28 +463,32 @@ def tool_use_report(report: dict[str, Any], items: list[dict[str, Any]]) -> Tool
         raise ConfigError("the evaluation report has no per-episode records (output.records=false)")
     recs = sorted(report["records"]["with_tools"], key=lambda r: (r["problem_index"], r["sample_index"]))
     if [r["problem_index"] for r in recs] != list(range(len(items))):
-        raise ConfigError(f"expected one episode per problem for {len(items)} problems, "
-                          f"got {len(recs)} episodes")
+        raise ConfigError(f"expected one episode per problem for {len(items)} problems, got {len(recs)} episodes")
     tools = set(report["meta"]["tools"])
     first_calls = [r["turns"][0]["tool_calls"] if r["turns"] else [] for r in recs]
     correct = [bool(r["correct"]) for r in recs]
     first_call = [bool(calls) for calls in first_calls]
     # a first turn without a tool call ends the episode: its answer is the episode's
     first_correct = [ok and not called for ok, called in zip(correct, first_call)]
-    first_args = [{"name": calls[0]["name"], **(calls[0]["arguments"] or {})} if calls else None
-                  for calls in first_calls]
+    first_args = [
+        {"name": calls[0]["name"], **(calls[0]["arguments"] or {})} if calls else None for calls in first_calls
+    ]
     first_result = [calls[0]["result"] if calls and calls[0]["executed"] else None for calls in first_calls]
     calls = [c for r in recs for turn in r["turns"] for c in turn["tool_calls"]]
     well_formed = sum(c["error"] not in MALFORMED_KINDS and c["name"] in tools for c in calls)
     overall = report["with_tools"]["overall"]
     n = len(items)
     return ToolUseReport(
-        n=n, temperature=float(report["meta"]["temperature"]), accuracy=sum(correct) / n,
-        accuracy_without_tools=sum(first_correct) / n, tool_call_rate=sum(first_call) / n,
+        n=n,
+        temperature=float(report["meta"]["temperature"]),
+        accuracy=sum(correct) / n,
+        accuracy_without_tools=sum(first_correct) / n,
+        tool_call_rate=sum(first_call) / n,
         well_formed_rate=well_formed / len(calls) if calls else 0.0,
         tool_success_rate=overall.get("tools/executed_success_rate") or 0.0,
         by_kind={k: f["accuracy/mean@n"] for k, f in sorted((report["with_tools"].get("by_kind") or {}).items())},
-        breakdown=_breakdown(items, correct, first_call, first_correct, first_args, first_result))
+        breakdown=_breakdown(items, correct, first_call, first_correct, first_args, first_result),
+    )
 
 
 def _numbers(text: str | None) -> list[str]:
@@ -429,8 +502,19 @@ def _breakdown(items, correct, first_call, first_correct, first_args, first_resu
     for i, it in enumerate(items):
         kind = it["extra_info"].get("kind", "?")
         truth = it["reward_model"]["ground_truth"]
-        r = rows.setdefault(kind, {"n": 0, "correct": 0, "calls": 0, "exact": 0, "answer_in_result": 0,
-                                   "copied_out": 0, "guesses": 0, "guesses_right": 0})
+        r = rows.setdefault(
+            kind,
+            {
+                "n": 0,
+                "correct": 0,
+                "calls": 0,
+                "exact": 0,
+                "answer_in_result": 0,
+                "copied_out": 0,
+                "guesses": 0,
+                "guesses_right": 0,
+            },
+        )
         r["n"] += 1
         r["correct"] += int(correct[i])
         if first_call[i]:
@@ -439,8 +523,9 @@ def _breakdown(items, correct, first_call, first_correct, first_args, first_resu
             arg = first_args[i] or {}
             given = arg.get("expression", arg.get("code"))
             has_answer = first_result[i] is not None and _numbers(first_result[i])[-1:] == [truth]
-            r["exact"] += int(isinstance(given, str) and given.replace(" ", "") in {x.replace(" ", "") for x in refs}
-                              or has_answer)
+            r["exact"] += int(
+                isinstance(given, str) and given.replace(" ", "") in {x.replace(" ", "") for x in refs} or has_answer
+            )
             r["answer_in_result"] += int(has_answer)
             r["copied_out"] += int(has_answer and correct[i])
         else:
@@ -448,16 +533,28 @@ def _breakdown(items, correct, first_call, first_correct, first_args, first_resu
             r["guesses_right"] += int(first_correct[i])
     out = {}
     for kind, r in sorted(rows.items()):
-        out[kind] = {"n": r["n"], "accuracy": r["correct"] / r["n"], "tool_call_rate": r["calls"] / r["n"],
-                     "call_exact": r["exact"] / r["calls"] if r["calls"] else float("nan"),
-                     "copy_out": r["copied_out"] / r["answer_in_result"] if r["answer_in_result"] else float("nan"),
-                     "guess_rate": r["guesses"] / r["n"],
-                     "guess_accuracy": r["guesses_right"] / r["guesses"] if r["guesses"] else float("nan")}
+        out[kind] = {
+            "n": r["n"],
+            "accuracy": r["correct"] / r["n"],
+            "tool_call_rate": r["calls"] / r["n"],
+            "call_exact": r["exact"] / r["calls"] if r["calls"] else float("nan"),
+            "copy_out": r["copied_out"] / r["answer_in_result"] if r["answer_in_result"] else float("nan"),
+            "guess_rate": r["guesses"] / r["n"],
+            "guess_accuracy": r["guesses_right"] / r["guesses"] if r["guesses"] else float("nan"),
+        }
     return out
 
 
-def check_config(path: str | os.PathLike, n: int, *, temperature: float = 1.0, max_turns: int = 3,
-                 max_new_tokens: int = 96, seed: int = 0, output_dir: str | os.PathLike = "runs/warm_start_check"):
+def check_config(
+    path: str | os.PathLike,
+    n: int,
+    *,
+    temperature: float = 1.0,
+    max_turns: int = 3,
+    max_new_tokens: int = 96,
+    seed: int = 0,
+    output_dir: str | os.PathLike = "runs/warm_start_check",
+):
     """The evaluation config of :func:`evaluate_tool_use`: the shipped ``eval_tool_use.yaml`` (its
     tools, tool-response truncation and timeouts, the HF engine) with one sample per problem, the
     given temperature, seed and turn caps, a response budget that never binds before them, and no
@@ -465,19 +562,37 @@ def check_config(path: str | os.PathLike, n: int, *, temperature: float = 1.0, m
     from otb_tir.evaluation import load_eval_config
     from otb_tir.evaluation.config import DEFAULT_CONFIG
 
-    overrides = [f"model.path={Path(path)}", f"data.size={n}", "rollout.n=1", f"rollout.temperature={temperature}",
-                 f"rollout.max_tokens_per_turn={max_new_tokens}", f"multi_turn.max_assistant_turns={max_turns}",
-                 "eval.pass_k=[1]", "eval.without_tools=false", f"eval.seed={seed}", f"output.dir={output_dir}",
-                 "output.name=warm_start_check", "output.records=true", "output.plots=false",
-                 "output.progress=false"]
+    overrides = [
+        f"model.path={Path(path)}",
+        f"data.size={n}",
+        "rollout.n=1",
+        f"rollout.temperature={temperature}",
+        f"rollout.max_tokens_per_turn={max_new_tokens}",
+        f"multi_turn.max_assistant_turns={max_turns}",
+        "eval.pass_k=[1]",
+        "eval.without_tools=false",
+        f"eval.seed={seed}",
+        f"output.dir={output_dir}",
+        "output.name=warm_start_check",
+        "output.records=true",
+        "output.plots=false",
+        "output.progress=false",
+    ]
     tool_tokens = load_eval_config(DEFAULT_CONFIG, overrides).multi_turn.max_tool_response_length
     budget = max_turns * max_new_tokens + (max_turns - 1) * (tool_tokens + 32)  # + the template's markup
     return load_eval_config(DEFAULT_CONFIG, overrides + [f"rollout.response_length={budget}"])
 
 
-def evaluate_tool_use(path: str | os.PathLike, items: list[dict[str, Any]], *, temperature: float = 1.0,
-                      max_turns: int = 3, max_new_tokens: int = 96, seed: int = 0,
-                      report_dir: str | os.PathLike | None = None) -> ToolUseReport:
+def evaluate_tool_use(
+    path: str | os.PathLike,
+    items: list[dict[str, Any]],
+    *,
+    temperature: float = 1.0,
+    max_turns: int = 3,
+    max_new_tokens: int = 96,
+    seed: int = 0,
+    report_dir: str | os.PathLike | None = None,
+) -> ToolUseReport:
     """Run the policy at ``path`` on ``items`` with the tool-use evaluation
     (:func:`otb_tir.evaluation.evaluate`: ``AgentEnv`` episodes with the real tools, scored by the
     math reward; one sample per problem, config :func:`check_config`) and read the report's
@@ -487,8 +602,15 @@ def evaluate_tool_use(path: str | os.PathLike, items: list[dict[str, Any]], *, t
     from otb_tir.evaluation import evaluate, prepare
 
     with tempfile.TemporaryDirectory(prefix="warm_start_check-") as tmp:
-        cfg = check_config(path, len(items), temperature=temperature, max_turns=max_turns,
-                           max_new_tokens=max_new_tokens, seed=seed, output_dir=report_dir or tmp)
+        cfg = check_config(
+            path,
+            len(items),
+            temperature=temperature,
+            max_turns=max_turns,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            output_dir=report_dir or tmp,
+        )
         prep = replace(prepare(cfg), items=list(items), data_desc=f"{len(items)} given problems")
         report = evaluate(cfg, prep)
     return tool_use_report(report, list(items))
@@ -516,9 +638,18 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.perf_counter()
-    path = warm_start_policy(args.cache_dir, steps=args.steps, copy_steps=args.copy_steps, seed=args.seed,
-                             n_traces=args.n_traces, batch_size=args.batch_size, lr=args.lr,
-                             warmup_steps=args.warmup_steps, hidden_size=args.hidden_size, layers=args.layers)
+    path = warm_start_policy(
+        args.cache_dir,
+        steps=args.steps,
+        copy_steps=args.copy_steps,
+        seed=args.seed,
+        n_traces=args.n_traces,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        hidden_size=args.hidden_size,
+        layers=args.layers,
+    )
     logger.info("policy: %s (%.1f s)", path, time.perf_counter() - t)
     if args.check:
         items = make_split("test", args.check, seed=0)

@@ -11,5 +11,18 @@ from otb_tir.evaluation.metrics import ERROR_KINDS, classify_call, episode_recor
 from otb_tir.evaluation.report import compare_text, load_report, plot_compare, summary_text
 from otb_tir.evaluation.run import evaluate, prepare
 
-__all__ = ["EvalConfig", "load_eval_config", "ERROR_KINDS", "classify_call", "episode_record", "figures",
-           "pass_at_k", "compare_text", "load_report", "plot_compare", "summary_text", "evaluate", "prepare"]
+__all__ = [
+    "EvalConfig",
+    "load_eval_config",
+    "ERROR_KINDS",
+    "classify_call",
+    "episode_record",
+    "figures",
+    "pass_at_k",
+    "compare_text",
+    "load_report",
+    "plot_compare",
+    "summary_text",
+    "evaluate",
+    "prepare",
+]

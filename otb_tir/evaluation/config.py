@@ -81,9 +81,15 @@ EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
 
 
 def _check(cfg: DictConfig) -> None:
-    for key in ("rollout.n", "rollout.response_length", "rollout.max_tokens_per_turn", "rollout.max_batch_size",
-                "multi_turn.max_assistant_turns", "multi_turn.max_tool_response_length",
-                "multi_turn.max_parallel_calls"):
+    for key in (
+        "rollout.n",
+        "rollout.response_length",
+        "rollout.max_tokens_per_turn",
+        "rollout.max_batch_size",
+        "multi_turn.max_assistant_turns",
+        "multi_turn.max_tool_response_length",
+        "multi_turn.max_parallel_calls",
+    ):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")
     if cfg.data.size < 0:
@@ -101,16 +107,20 @@ def _check(cfg: DictConfig) -> None:
         raise ConfigError("'eval.pass_k' must list at least one k (e.g. [1])")
     bad = [k for k in ks if k < 1 or k > cfg.rollout.n]
     if bad:
-        raise ConfigError(f"'eval.pass_k' = {ks}: every k must be in 1..rollout.n ({cfg.rollout.n}); "
-                          f"bad: {bad}. Raise rollout.n or drop those k")
+        raise ConfigError(
+            f"'eval.pass_k' = {ks}: every k must be in 1..rollout.n ({cfg.rollout.n}); "
+            f"bad: {bad}. Raise rollout.n or drop those k"
+        )
     if len(set(ks)) != len(ks):
         raise ConfigError(f"'eval.pass_k' = {ks} lists a k twice")
     if cfg.eval.max_concurrent_episodes is not None and cfg.eval.max_concurrent_episodes < 1:
         raise ConfigError("'eval.max_concurrent_episodes' must be >= 1 or null")
     if cfg.eval.without_tools and cfg.multi_turn.format == "code_block":
-        raise ConfigError("eval.without_tools=true needs multi_turn.format=hermes: the code_block format runs "
-                          "every code block with the python tool, so it has no tools-disabled variant; "
-                          "set eval.without_tools=false")
+        raise ConfigError(
+            "eval.without_tools=true needs multi_turn.format=hermes: the code_block format runs "
+            "every code block with the python tool, so it has no tools-disabled variant; "
+            "set eval.without_tools=false"
+        )
     if not cfg.output.name or "/" in cfg.output.name:
         raise ConfigError(f"'output.name' must be a plain file stem; got {cfg.output.name!r}")
 
@@ -124,6 +134,8 @@ def load_eval_config(path: str | Path | None = DEFAULT_CONFIG, overrides: Sequen
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+")
         if key.split(".", 1)[0] == "verl":  # the training loader passes verl.* through; eval has no verl section
-            raise ConfigError(f"unknown config key '{key}'; the evaluation config has no 'verl' section "
-                              f"(valid top-level keys: {', '.join(EvalConfig.__dataclass_fields__)})")
+            raise ConfigError(
+                f"unknown config key '{key}'; the evaluation config has no 'verl' section "
+                f"(valid top-level keys: {', '.join(EvalConfig.__dataclass_fields__)})"
+            )
     return load_structured(EvalConfig, path, overrides, choices=EVAL_CHOICES, check=_check)

@@ -34,8 +34,16 @@ from agent_env import Trajectory
 from agent_env.tool_metrics import ERROR_KINDS, SHOWN_ERROR_KINDS, calls_of, classify_call
 from otb_tir.metrics import trajectory_metrics
 
-__all__ = ["pass_at_k", "classify_call", "ERROR_KINDS", "ISSUE_ERROR_KINDS", "is_correct", "figures",
-           "group_figures", "episode_record"]
+__all__ = [
+    "pass_at_k",
+    "classify_call",
+    "ERROR_KINDS",
+    "ISSUE_ERROR_KINDS",
+    "is_correct",
+    "figures",
+    "group_figures",
+    "episode_record",
+]
 
 #: the kinds the report always shows (zero when absent); the definitions live in agent_env.tool_metrics
 ISSUE_ERROR_KINDS = SHOWN_ERROR_KINDS
@@ -109,7 +117,9 @@ def figures(trajs: Sequence[Trajectory], pass_k: Iterable[int] = (1,), group_key
     return out
 
 
-def group_figures(trajs: Sequence[Trajectory], labels: Sequence[str], pass_k: Iterable[int]) -> dict[str, dict[str, float]]:
+def group_figures(
+    trajs: Sequence[Trajectory], labels: Sequence[str], pass_k: Iterable[int]
+) -> dict[str, dict[str, float]]:
     """:func:`figures` per label (e.g. data source); ``labels[i]`` belongs to ``trajs[i]``."""
     if len(labels) != len(trajs):
         raise ValueError(f"{len(labels)} labels for {len(trajs)} trajectories")
@@ -134,17 +144,29 @@ def episode_record(t: Trajectory, item: Mapping[str, Any], problem_index: int) -
         "data_source": str(item.get("data_source", "unknown")),
         "prompt": _prompt_text(item.get("prompt", "")),
         "ground_truth": None if t.ground_truth is None else str(t.ground_truth),
-        "turns": [{
-            "text": tr.text,
-            "void": tr.void,
-            "has_answer": tr.has_answer,
-            "engine_finish_reason": tr.engine_finish_reason,
-            "tool_calls": [{
-                "name": c.name, "arguments": c.arguments, "ok": c.ok, "error": c.error,
-                "error_kind": classify_call(c), "executed": c.executed, "truncated": c.truncated,
-                "result": c.text, "latency_ms": round(c.latency_ms, 3),
-            } for c in tr.tool_calls],
-        } for tr in t.turns],
+        "turns": [
+            {
+                "text": tr.text,
+                "void": tr.void,
+                "has_answer": tr.has_answer,
+                "engine_finish_reason": tr.engine_finish_reason,
+                "tool_calls": [
+                    {
+                        "name": c.name,
+                        "arguments": c.arguments,
+                        "ok": c.ok,
+                        "error": c.error,
+                        "error_kind": classify_call(c),
+                        "executed": c.executed,
+                        "truncated": c.truncated,
+                        "result": c.text,
+                        "latency_ms": round(c.latency_ms, 3),
+                    }
+                    for c in tr.tool_calls
+                ],
+            }
+            for tr in t.turns
+        ],
         "answer": t.reward_details.get("extracted"),
         "correct": is_correct(t),
         "reward": t.reward,

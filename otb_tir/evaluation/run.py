@@ -75,22 +75,24 @@ def _check_tokenizer(path: Path) -> Any:
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from None
     if not getattr(tok, "chat_template", None):
-        raise ConfigError(f"the tokenizer of {path} has no chat template: an evaluation of tool use needs a "
-                          "chat template with tool support (set tokenizer.chat_template, save_pretrained again)")
+        raise ConfigError(
+            f"the tokenizer of {path} has no chat template: an evaluation of tool use needs a "
+            "chat template with tool support (set tokenizer.chat_template, save_pretrained again)"
+        )
     return tok
 
 
 def prepare(cfg: DictConfig) -> Prepared:
     """Check every input before any episode runs; bad input raises :class:`ConfigError`."""
     from agent_env import AgentEnv, EnvError
-    from otb_tir.builders import build_tools
-    from otb_tir.builders import policy_path
-    from otb_tir.builders import episode_config
+    from otb_tir.builders import build_tools, episode_config, policy_path
 
     items, desc = _load_items(cfg)
     if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.model.path} is not a local Hugging Face model folder (no config.json); "
-                          "a trained checkpoint is e.g. runs/tir_math/final")
+        raise ConfigError(
+            f"model.path={cfg.model.path} is not a local Hugging Face model folder (no config.json); "
+            "a trained checkpoint is e.g. runs/tir_math/final"
+        )
     tools = build_tools(cfg)
     try:
         path = policy_path(cfg)  # model.path, or the built-in warm-started tiny policy (cached)
@@ -131,16 +133,25 @@ def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
     kwargs = OmegaConf.to_container(r.engine_kwargs, resolve=True) if r.engine_kwargs else {}
     try:
         if r.name == "hf":
-            from otb_tir.builders import resolve_device
             from agent_env.engines.hf import HFEngine
+            from otb_tir.builders import resolve_device
 
             if kwargs:
-                raise ConfigError(f"rollout.engine_kwargs {sorted(kwargs)} are for vllm/sglang; the hf engine takes "
-                                  "rollout.max_batch_size, rollout.device and rollout.dtype")
+                raise ConfigError(
+                    f"rollout.engine_kwargs {sorted(kwargs)} are for vllm/sglang; the hf engine takes "
+                    "rollout.max_batch_size, rollout.device and rollout.dtype"
+                )
             dtype = "float32" if r.dtype == "auto" else r.dtype
             # stop_at_eos=False as in training: turns end at the template's end-of-turn token.
-            return HFEngine(str(path), tokenizer, device=resolve_device(r.device), dtype=dtype,
-                            max_batch_size=r.max_batch_size, seed=cfg.eval.seed, stop_at_eos=False)
+            return HFEngine(
+                str(path),
+                tokenizer,
+                device=resolve_device(r.device),
+                dtype=dtype,
+                max_batch_size=r.max_batch_size,
+                seed=cfg.eval.seed,
+                stop_at_eos=False,
+            )
         dtype = None if r.dtype == "auto" else r.dtype
         if r.name == "vllm":
             from agent_env.engines.vllm import VLLMEngine
@@ -153,24 +164,34 @@ def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
         raise ConfigError(f"rollout.name={r.name}: {e}") from None
 
 
-async def _run_pass(engine: Any, env: Any, items: list[dict[str, Any]], cfg: DictConfig, label: str) -> tuple[list, dict]:
+async def _run_pass(
+    engine: Any, env: Any, items: list[dict[str, Any]], cfg: DictConfig, label: str
+) -> tuple[list, dict]:
     from agent_env import rollout_async
 
-    prompts = [{"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"], "uid": f"p{i}"}
-               for i, it in enumerate(items)]
+    prompts = [
+        {"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"], "uid": f"p{i}"}
+        for i, it in enumerate(items)
+    ]
     log.info("%s: %d problems × n=%d episodes", label, len(items), cfg.rollout.n)
-    batch = await rollout_async(engine, env, prompts, cfg.rollout.n, seed=cfg.eval.seed,
-                                max_concurrent_episodes=cfg.eval.max_concurrent_episodes, pad_to="longest",
-                                progress=cfg.output.progress)
+    batch = await rollout_async(
+        engine,
+        env,
+        prompts,
+        cfg.rollout.n,
+        seed=cfg.eval.seed,
+        max_concurrent_episodes=cfg.eval.max_concurrent_episodes,
+        pad_to="longest",
+        progress=cfg.output.progress,
+    )
     return batch.trajectories, dict(batch.stats)
 
 
 def evaluate(cfg: DictConfig, prepared: Prepared | None = None) -> dict[str, Any]:
     """Run the evaluation described by ``cfg``; returns the report (also written to ``output.dir``)."""
     from agent_env import AgentEnv
+    from otb_tir.builders import episode_config, seed_everything
     from otb_tir.evaluation.report import build_report, write_report
-    from otb_tir.builders import seed_everything
-    from otb_tir.builders import episode_config
 
     t0 = time.perf_counter()
     prep = prepared or prepare(cfg)

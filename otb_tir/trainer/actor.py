@@ -46,14 +46,19 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, grad: bool) -> TokenStats:
     resp_len = batch["responses"].shape[1]
     device = next(model.parameters()).device
-    args = (batch["input_ids"][rows].to(device), batch["attention_mask"][rows].to(device),
-            batch["position_ids"][rows].to(device))
+    args = (
+        batch["input_ids"][rows].to(device),
+        batch["attention_mask"][rows].to(device),
+        batch["position_ids"][rows].to(device),
+    )
     with _autocast(device, s.autocast_dtype):
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
-            return TokenStats(*model(*args, response_length=resp_len, temperature=s.temperature,
-                                     fused=s.fused, chunk=s.chunk))
-        return token_stats_for_causal_lm(model, *args, response_length=resp_len, temperature=s.temperature,
-                                         fused=s.fused, chunk=s.chunk)
+            return TokenStats(
+                *model(*args, response_length=resp_len, temperature=s.temperature, fused=s.fused, chunk=s.chunk)
+            )
+        return token_stats_for_causal_lm(
+            model, *args, response_length=resp_len, temperature=s.temperature, fused=s.fused, chunk=s.chunk
+        )
 
 
 @torch.no_grad()
@@ -73,8 +78,14 @@ def compute_old_stats(model, batch: dict, s: ActorSettings) -> dict[str, torch.T
     return {k: torch.cat(v) * mask if v else torch.zeros_like(mask) for k, v in out.items()}
 
 
-def ppo_update(model, optimizer, batch: dict, mini_batches: list[torch.Tensor], s: ActorSettings,
-               ref_log_probs: torch.Tensor | None = None) -> dict[str, float]:
+def ppo_update(
+    model,
+    optimizer,
+    batch: dict,
+    mini_batches: list[torch.Tensor],
+    s: ActorSettings,
+    ref_log_probs: torch.Tensor | None = None,
+) -> dict[str, float]:
     """One pass of PPO over ``mini_batches`` (lists of row indices); one optimizer step each.
 
     Under FSDP every rank must pass the same number of mini-batches, each with the same number of

@@ -82,8 +82,9 @@ def load_latest(root: str | Path) -> tuple[int, dict[str, Any]] | None:
     return int(_STEP.match(path.name).group(1)), state
 
 
-def save_distributed_checkpoint(root: str | Path, step: int, model, optimizer, state: dict[str, Any], *,
-                                rank: int, world: int, keep: int = 2) -> Path:
+def save_distributed_checkpoint(
+    root: str | Path, step: int, model, optimizer, state: dict[str, Any], *, rank: int, world: int, keep: int = 2
+) -> Path:
     """Collective: every rank writes its model/optimizer shards with DCP, rank 0 adds ``state.pt``
     (``state`` + ``distributed: True``) and renames the folder into place once all shards are down."""
     import torch.distributed as dist

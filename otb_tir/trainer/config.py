@@ -31,7 +31,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in generator
-    val_files: list[str] = field(default_factory=list)  # verl-format parquet of held-out problems; empty → built-in held-out split
+    val_files: list[str] = field(
+        default_factory=list
+    )  # verl-format parquet of held-out problems; empty → built-in held-out split
     train_size: int = 4000  # built-in generator only
     val_size: int = 100  # built-in generator only: held-out problems generated
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
@@ -62,7 +64,9 @@ class MultiTurnConfig:
     # calculator] unless a tools YAML is given. `tool_config`: keyword settings per name, e.g.
     # {python: {timeout: 5}}. `tool_config_path`: a verl-style tools YAML whose tools are added to `tools`.
     tools: list[str] | None = None
-    tool_config: dict[str, Any] = field(default_factory=dict)  # keyword settings per tool name, e.g. {python: {timeout: 5}}
+    tool_config: dict[str, Any] = field(
+        default_factory=dict
+    )  # keyword settings per tool name, e.g. {python: {timeout: 5}}
     tool_config_path: str | None = None  # a verl-style tools YAML; its tools are added to `tools`
     tool_timeout: float = 5.0  # seconds a tool call may take before it answers a timeout error
 
@@ -125,7 +129,9 @@ class TrainerConfig:
     total_steps: int = 20  # RL steps
     seed: int = 0  # seed of sampling, data order and initialisation
     device: str = "auto"  # auto | cpu | cuda
-    output_dir: str = "runs/tir_math"  # run folder: summary.json, metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/
+    output_dir: str = (
+        "runs/tir_math"  # run folder: summary.json, metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/
+    )
     save_every: int = 5  # checkpoint every N steps and at the end (0 = never)
     keep_checkpoints: int = 2  # checkpoints kept (older ones are pruned)
     resume: bool = False  # continue from the run folder's last checkpoint (--resume)
@@ -209,9 +215,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def _check_ranges(cfg: DictConfig) -> None:
     if cfg.rollout.name == "auto":  # the local trainer generates with HF; verl serves the policy with vLLM
         cfg.rollout.name = "vllm" if cfg.trainer.name == "verl" else "hf"
-    positive = ["rollout.n", "rollout.response_length", "rollout.max_tokens_per_turn", "data.train_batch_size",
-                "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "actor.ppo_epochs",
-                "multi_turn.max_assistant_turns", "actor.token_stats_chunk"]
+    positive = [
+        "rollout.n",
+        "rollout.response_length",
+        "rollout.max_tokens_per_turn",
+        "data.train_batch_size",
+        "actor.ppo_mini_batch_size",
+        "actor.ppo_micro_batch_size",
+        "actor.ppo_epochs",
+        "multi_turn.max_assistant_turns",
+        "actor.token_stats_chunk",
+    ]
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")

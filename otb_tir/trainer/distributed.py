@@ -53,7 +53,11 @@ class DistInfo:
 def env_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) outside torchrun."""
     try:
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        return (
+            int(os.environ.get("RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
     except ValueError as e:
         raise ConfigError(f"RANK / WORLD_SIZE / LOCAL_RANK must be integers (as torchrun sets them): {e}") from None
 
@@ -70,8 +74,10 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
         raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
     if want_cuda:
         if local >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA devices are visible: "
-                              "use torchrun --nproc_per_node <= the number of GPUs")
+            raise ConfigError(
+                f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA devices are visible: "
+                "use torchrun --nproc_per_node <= the number of GPUs"
+            )
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     else:
@@ -159,13 +165,28 @@ class TokenStatsModule(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids, response_length: int, temperature: float = 1.0,
-                fused: bool = True, chunk: int | None = None):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        response_length: int,
+        temperature: float = 1.0,
+        fused: bool = True,
+        chunk: int | None = None,
+    ):
         from otb_tir.token_stats import token_stats_for_causal_lm
 
-        st = token_stats_for_causal_lm(self.model, input_ids, attention_mask, position_ids,
-                                       response_length=response_length, temperature=temperature,
-                                       fused=fused, chunk=chunk)
+        st = token_stats_for_causal_lm(
+            self.model,
+            input_ids,
+            attention_mask,
+            position_ids,
+            response_length=response_length,
+            temperature=temperature,
+            fused=fused,
+            chunk=chunk,
+        )
         # fresh tensors, not views of one buffer: FSDP hooks its pre-backward on these outputs
         return st.log_probs.clone(), st.entropy.clone(), st.sum_pi_squared.clone()
 
@@ -175,13 +196,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ConfigError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
-                          "FSDP needs the transformer blocks to shard")
+        raise ConfigError(
+            f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
+            "FSDP needs the transformer blocks to shard"
+        )
     return layers
 
 
-def fsdp_wrap(model: nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None,
-              reshard_after_forward: bool = True) -> TokenStatsModule:
+def fsdp_wrap(
+    model: nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True
+) -> TokenStatsModule:
     """Shard ``model`` with FSDP2 over all ranks: each decoder layer, then the root wrapper.
 
     ``param_dtype`` (CUDA only): compute dtype of the gathered parameters (gradients reduced in

@@ -13,9 +13,19 @@ log = logging.getLogger(__name__)
 
 # The curves drawn in curves.png (those present in the metrics).
 CURVES = (
-    "reward/mean", "reward/accuracy", "val/accuracy", "tools/call_rate", "tools/success_rate",
-    "episode/turns_mean", "response/length_mean", "advantages/std", "variance_proxy/proxy3_pure_noise",
-    "actor/pg_loss", "actor/entropy", "actor/grad_norm", "timing/step_s",
+    "reward/mean",
+    "reward/accuracy",
+    "val/accuracy",
+    "tools/call_rate",
+    "tools/success_rate",
+    "episode/turns_mean",
+    "response/length_mean",
+    "advantages/std",
+    "variance_proxy/proxy3_pure_noise",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "timing/step_s",
 )
 
 
@@ -26,9 +36,16 @@ class MetricsLogger:
     ``tensorboard/``, an optional W&B run, and ``curves.png`` redrawn every ``plot_every`` steps.
     """
 
-    def __init__(self, output_dir: str | Path, loggers: Iterable[str] = ("console", "jsonl", "tensorboard"),
-                 project: str = "otb-tir", experiment: str = "run", config: Mapping[str, Any] | None = None,
-                 plot_every: int = 1, resume: bool = False):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        loggers: Iterable[str] = ("console", "jsonl", "tensorboard"),
+        project: str = "otb-tir",
+        experiment: str = "run",
+        config: Mapping[str, Any] | None = None,
+        plot_every: int = 1,
+        resume: bool = False,
+    ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.loggers = set(loggers)
@@ -103,7 +120,7 @@ class MetricsLogger:
             ax.set_title(key, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(keys):]:
+        for ax in list(axes.flat)[len(keys) :]:
             ax.axis("off")
         fig.tight_layout()
         out = Path(path) if path else self.dir / "curves.png"
@@ -128,7 +145,18 @@ def _to_float(v: Any) -> float:
         return float("nan")
 
 
-def format_metrics(row: Mapping[str, float], keys: Iterable[str] = (
-    "reward/accuracy", "reward/mean", "tools/call_rate", "tools/success_rate", "episode/turns_mean",
-    "response/length_mean", "actor/pg_loss", "actor/grad_norm", "timing/step_s")) -> str:
+def format_metrics(
+    row: Mapping[str, float],
+    keys: Iterable[str] = (
+        "reward/accuracy",
+        "reward/mean",
+        "tools/call_rate",
+        "tools/success_rate",
+        "episode/turns_mean",
+        "response/length_mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "timing/step_s",
+    ),
+) -> str:
     return " ".join(f"{k.split('/', 1)[-1]}={row[k]:.3g}" for k in keys if k in row)

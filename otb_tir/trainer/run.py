@@ -89,8 +89,10 @@ def _run(cfg, info, reward_fn) -> dict[str, Any]:
     barrier(world)
     seed_everything(cfg.trainer.seed)
     if cfg.rollout.name != "hf":
-        raise ConfigError(f"the local trainer runs rollout.name=hf; rollout.name={cfg.rollout.name} "
-                          "is for trainer=verl (vLLM / sglang servers managed by verl)")
+        raise ConfigError(
+            f"the local trainer runs rollout.name=hf; rollout.name={cfg.rollout.name} "
+            "is for trainer=verl (vLLM / sglang servers managed by verl)"
+        )
     device = info.device if info.distributed else resolve_device(cfg.trainer.device)
     tools = build_tools(cfg)  # before any heavy work: a tool that does not load stops the run here
     try:
@@ -106,9 +108,9 @@ def _run_with_tools(cfg, info, reward_fn, tools, device, t_start: float, out: Pa
 
     from agent_env import AgentEnv
     from agent_env.engines.hf import HFEngine
-    from otb_tir.trainer.distributed import barrier, broadcast_object, fsdp_wrap, full_state_dict
     from otb_tir.builders import episode_config
     from otb_tir.metrics import summary_figures
+    from otb_tir.trainer.distributed import barrier, broadcast_object, fsdp_wrap, full_state_dict
     from otb_tir.trainer.trainer import Trainer
 
     rank, world = info.rank, info.world_size
@@ -130,27 +132,59 @@ def _run_with_tools(cfg, info, reward_fn, tools, device, t_start: float, out: Pa
     weights_fn = None
     if info.distributed:
         # the engine keeps its own unsharded copy; the full state dict is copied in after each update
-        engine = HFEngine(model, tokenizer, device=device, share_weights=False,
-                          max_batch_size=cfg.rollout.max_batch_size, seed=cfg.trainer.seed, stop_at_eos=False)
+        engine = HFEngine(
+            model,
+            tokenizer,
+            device=device,
+            share_weights=False,
+            max_batch_size=cfg.rollout.max_batch_size,
+            seed=cfg.trainer.seed,
+            stop_at_eos=False,
+        )
         hf_model = model
-        actor = fsdp_wrap(model, info, param_dtype=low_precision,
-                          reshard_after_forward=cfg.trainer.fsdp_reshard_after_forward)
+        actor = fsdp_wrap(
+            model, info, param_dtype=low_precision, reshard_after_forward=cfg.trainer.fsdp_reshard_after_forward
+        )
 
         def weights_fn():
             return full_state_dict(hf_model)
     else:
-        engine = HFEngine(model, tokenizer, share_weights=True, max_batch_size=cfg.rollout.max_batch_size,
-                          seed=cfg.trainer.seed, stop_at_eos=False)
+        engine = HFEngine(
+            model,
+            tokenizer,
+            share_weights=True,
+            max_batch_size=cfg.rollout.max_batch_size,
+            seed=cfg.trainer.seed,
+            stop_at_eos=False,
+        )
         actor = model
     env = AgentEnv(tokenizer, tools=tools, config=episode_config(cfg), reward_fn=reward_fn)
     train_items, val_items = load_items(cfg)
     optimizer, scheduler = build_optimizer(cfg, actor)
-    trainer = Trainer(cfg, actor, optimizer, scheduler, engine, env, train_items, val_items, out,
-                      weights_fn=weights_fn, ref_model=ref_model, rank=rank, world_size=world,
-                      autocast_dtype=autocast)
-    summary: dict[str, Any] = {"model": str(path), "adv_estimator": cfg.algorithm.adv_estimator,
-                               "seed": cfg.trainer.seed, "steps": cfg.trainer.total_steps, "world_size": world,
-                               "tools": tools.describe()}
+    trainer = Trainer(
+        cfg,
+        actor,
+        optimizer,
+        scheduler,
+        engine,
+        env,
+        train_items,
+        val_items,
+        out,
+        weights_fn=weights_fn,
+        ref_model=ref_model,
+        rank=rank,
+        world_size=world,
+        autocast_dtype=autocast,
+    )
+    summary: dict[str, Any] = {
+        "model": str(path),
+        "adv_estimator": cfg.algorithm.adv_estimator,
+        "seed": cfg.trainer.seed,
+        "steps": cfg.trainer.total_steps,
+        "world_size": world,
+        "tools": tools.describe(),
+    }
     try:
         resumed = trainer.maybe_resume()
         before_file = out / "before.json"

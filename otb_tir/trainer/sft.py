@@ -31,13 +31,15 @@ class SFTExample:
 
 
 def _render_ids(tokenizer, messages: list[dict[str, Any]], tools, add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, Any]],
-                          tools: list[dict[str, Any]] | None = None) -> SFTExample:
+def tokenize_conversation(
+    tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> SFTExample:
     """Render ``messages`` with the chat template and mark the assistant tokens.
 
     Each assistant turn contributes the tokens after the generation prompt through its eos token
@@ -59,8 +61,10 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, Any]],
         start = len(_render_ids(tokenizer, messages[:k], tools, add_generation_prompt=True))
         upto = _render_ids(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
         if full[: len(upto)] != upto or upto[:start] != full[:start]:
-            raise ConfigError("the chat template is not prefix-stable: rendering the first "
-                              f"{k + 1} messages is not a token prefix of the whole conversation")
+            raise ConfigError(
+                "the chat template is not prefix-stable: rendering the first "
+                f"{k + 1} messages is not a token prefix of the whole conversation"
+            )
         end = len(upto)
         if eos_id is not None and eos_id in upto[start:end]:
             end = start + upto[start:end].index(eos_id) + 1  # keep the eos, drop the template's glue after it
@@ -101,8 +105,9 @@ def _loss_from_hidden(model, hidden: torch.Tensor, labels: torch.Tensor) -> torc
     return torch.nn.functional.cross_entropy(logits, targets[sel], reduction="sum")
 
 
-def masked_lm_loss(model, batch: dict[str, torch.Tensor], *, share_prefix: bool = True,
-                   min_prefix: int = 16) -> torch.Tensor:
+def masked_lm_loss(
+    model, batch: dict[str, torch.Tensor], *, share_prefix: bool = True, min_prefix: int = 16
+) -> torch.Tensor:
     """Token-mean next-token cross-entropy over the positions whose *target* has a label.
 
     With ``share_prefix`` the token prefix common to every row (the system prompt with the tool
@@ -127,16 +132,18 @@ def masked_lm_loss(model, batch: dict[str, torch.Tensor], *, share_prefix: bool 
         if hidden is None:
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
             targets = labels[:, 1:]
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
-                                                     targets.reshape(-1), ignore_index=-100)
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100
+            )
         return _loss_from_hidden(model, hidden, labels) / n_targets
     bsz = ids.size(0)
     out = base(input_ids=ids[:1, :prefix], use_cache=True)
     cache = out.past_key_values
     cache.batch_repeat_interleave(bsz)
     positions = torch.arange(prefix, ids.size(1)).unsqueeze(0).expand(bsz, -1)
-    hidden = base(input_ids=ids[:, prefix:], attention_mask=attn, past_key_values=cache,
-                  position_ids=positions, use_cache=True).last_hidden_state
+    hidden = base(
+        input_ids=ids[:, prefix:], attention_mask=attn, past_key_values=cache, position_ids=positions, use_cache=True
+    ).last_hidden_state
     # the prefix's last position predicts the first suffix token: unlabelled by construction
     return _loss_from_hidden(model, hidden, labels[:, prefix:]) / n_targets
 
@@ -169,8 +176,13 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def sft_train(model, examples: Sequence[SFTExample], pad_id: int, cfg: SFTConfig | None = None,
-              callback: Callable[[int, float], None] | None = None) -> list[float]:
+def sft_train(
+    model,
+    examples: Sequence[SFTExample],
+    pad_id: int,
+    cfg: SFTConfig | None = None,
+    callback: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """Train ``model`` in place with AdamW on shuffled mini-batches of ``examples``; returns the
     loss of every step. Batches are drawn without replacement (reshuffled each epoch) with a
     ``random.Random(cfg.seed)`` so runs are reproducible. ``callback(step, loss)`` is called after
@@ -193,7 +205,7 @@ def sft_train(model, examples: Sequence[SFTExample], pad_id: int, cfg: SFTConfig
             extra = list(range(len(examples)))
             rng.shuffle(extra)
             order.extend(extra)
-        idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
         batch = collate([examples[i] for i in idx], pad_id)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)

@@ -28,12 +28,18 @@ import torch
 from agent_env import AgentEnv, RolloutBatch, Trajectory, rollout_async
 from agent_env.rollout import run_sync
 from otb_tir import ConfigError
-from otb_tir.builders import episode_config
 from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
+from otb_tir.builders import episode_config
 from otb_tir.metrics import advantage_stats, trajectory_metrics, variance_proxy_metrics
 from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
-from otb_tir.trainer.checkpoint import (load_distributed_state, load_latest, rng_state, save_checkpoint,
-                                        save_distributed_checkpoint, set_rng_state)
+from otb_tir.trainer.checkpoint import (
+    load_distributed_state,
+    load_latest,
+    rng_state,
+    save_checkpoint,
+    save_distributed_checkpoint,
+    set_rng_state,
+)
 from otb_tir.trainer.data import DataCursor
 from otb_tir.trainer.distributed import gather_objects, gather_tensors, shard_items
 from otb_tir.trainer.logging import MetricsLogger
@@ -79,9 +85,24 @@ class Trainer:
     after each step with ``weights_fn()``); ``env``: the agent_env environment.
     """
 
-    def __init__(self, cfg, model, optimizer, scheduler, engine, env: AgentEnv, train_items, val_items,
-                 output_dir: str | Path, *, weights_fn: Callable[[], Any] | None = None,
-                 ref_model=None, rank: int = 0, world_size: int = 1, autocast_dtype=None):
+    def __init__(
+        self,
+        cfg,
+        model,
+        optimizer,
+        scheduler,
+        engine,
+        env: AgentEnv,
+        train_items,
+        val_items,
+        output_dir: str | Path,
+        *,
+        weights_fn: Callable[[], Any] | None = None,
+        ref_model=None,
+        rank: int = 0,
+        world_size: int = 1,
+        autocast_dtype=None,
+    ):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.engine, self.env, self.weights_fn, self.ref_model = engine, env, weights_fn, ref_model
         self.rank, self.world = rank, world_size
@@ -91,44 +112,74 @@ class Trainer:
         if bs % world_size:
             raise ConfigError(f"data.train_batch_size ({bs}) must be divisible by the number of ranks ({world_size})")
         if (cfg.actor.ppo_mini_batch_size * cfg.rollout.n) % world_size:
-            raise ConfigError(f"actor.ppo_mini_batch_size × rollout.n ({cfg.actor.ppo_mini_batch_size} × "
-                              f"{cfg.rollout.n}) trajectories must split evenly over {world_size} ranks")
+            raise ConfigError(
+                f"actor.ppo_mini_batch_size × rollout.n ({cfg.actor.ppo_mini_batch_size} × "
+                f"{cfg.rollout.n}) trajectories must split evenly over {world_size} ranks"
+            )
         self.cursor = DataCursor(list(train_items), bs, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.estimator = get_estimator(cfg.algorithm.adv_estimator)
         a = cfg.actor
         self.actor = ActorSettings(
             temperature=max(cfg.rollout.temperature, 1e-6) if cfg.rollout.temperature > 0 else 1.0,
-            micro_batch_size=a.ppo_micro_batch_size, fused=a.fused_token_stats, chunk=a.token_stats_chunk,
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-            grad_clip=a.grad_clip, kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
-            entropy_coef=a.entropy_coeff, autocast_dtype=autocast_dtype)
-        self.logger = MetricsLogger(self.out, cfg.trainer.loggers if rank == 0 else [], project=cfg.trainer.project_name,
-                                    experiment=cfg.trainer.experiment_name, resume=cfg.trainer.resume) if rank == 0 else None
+            micro_batch_size=a.ppo_micro_batch_size,
+            fused=a.fused_token_stats,
+            chunk=a.token_stats_chunk,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            grad_clip=a.grad_clip,
+            kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
+            entropy_coef=a.entropy_coeff,
+            autocast_dtype=autocast_dtype,
+        )
+        self.logger = (
+            MetricsLogger(
+                self.out,
+                cfg.trainer.loggers if rank == 0 else [],
+                project=cfg.trainer.project_name,
+                experiment=cfg.trainer.experiment_name,
+                resume=cfg.trainer.resume,
+            )
+            if rank == 0
+            else None
+        )
         self.step = 0
 
     # ------------------------------------------------------------------ rollout
 
-    def _rollout(self, items: Sequence[dict], n: int, seed: int, env: AgentEnv | None = None,
-                 offset: int = 0) -> RolloutBatch:
+    def _rollout(
+        self, items: Sequence[dict], n: int, seed: int, env: AgentEnv | None = None, offset: int = 0
+    ) -> RolloutBatch:
         """Episodes of ``items``, the block of a global batch starting at index ``offset``: uids and
         episode seeds are those the same prompts get in a one-process rollout of the whole batch."""
-        prompts = [{"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"],
-                    "uid": f"{seed}-{offset + i}"} for i, it in enumerate(items)]
+        prompts = [
+            {"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"], "uid": f"{seed}-{offset + i}"}
+            for i, it in enumerate(items)
+        ]
         # one persistent event loop for the whole run: the tools' sandbox workers (bound to the loop
         # that started them) live across steps instead of being restarted by a new loop per step
-        return run_sync(rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n,
-                                         progress=self.rank == 0))
+        return run_sync(
+            rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n, progress=self.rank == 0)
+        )
 
-    def evaluate(self, items: Sequence[dict] | None = None, tag: str = "val") -> tuple[dict[str, float], list[Trajectory]]:
+    def evaluate(
+        self, items: Sequence[dict] | None = None, tag: str = "val"
+    ) -> tuple[dict[str, float], list[Trajectory]]:
         """Greedy (by default) episodes on the held-out items; returns metrics and trajectories."""
         items = self.val_items if items is None else list(items)
         items, offset = shard_items(items, self.rank, self.world)
         ev = self.cfg.eval
-        env = AgentEnv(self.env.tokenizer, tools=self.env.tools, config=episode_config(
-            self.cfg, temperature=ev.temperature if ev.temperature > 0 else 0.0))
+        env = AgentEnv(
+            self.env.tokenizer,
+            tools=self.env.tools,
+            config=episode_config(self.cfg, temperature=ev.temperature if ev.temperature > 0 else 0.0),
+        )
         self.model.eval()
-        local = self._rollout(items, ev.n, seed=10_000_019 + self.cfg.trainer.seed, env=env,
-                              offset=offset).trajectories if items else []
+        local = (
+            self._rollout(items, ev.n, seed=10_000_019 + self.cfg.trainer.seed, env=env, offset=offset).trajectories
+            if items
+            else []
+        )
         trajs = gather_objects(local, self.world)
         return trajectory_metrics(trajs, prefix=f"{tag}/"), trajs
 
@@ -157,13 +208,19 @@ class Trainer:
         rewards = place_reward_on_last_policy_token(tensors["token_level_rewards"], mask)
         is_weights = None
         if cfg.algorithm.rollout_is:
-            is_weights = truncated_is_weights(tensors["old_log_probs"], tensors["rollout_log_probs"], mask,
-                                              cfg.algorithm.rollout_is_threshold)
+            is_weights = truncated_is_weights(
+                tensors["old_log_probs"], tensors["rollout_log_probs"], mask, cfg.algorithm.rollout_is_threshold
+            )
         advantages, returns = self.estimator(
-            token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
-            old_log_probs=tensors["old_log_probs"], sum_pi_squared=tensors["sum_pi_squared"],
-            rollout_is_weights=is_weights, handle_zero_tail=cfg.algorithm.handle_zero_tail,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
+            token_level_rewards=rewards,
+            response_mask=mask,
+            index=batch["uid"],
+            old_log_probs=tensors["old_log_probs"],
+            sum_pi_squared=tensors["sum_pi_squared"],
+            rollout_is_weights=is_weights,
+            handle_zero_tail=cfg.algorithm.handle_zero_tail,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+        )
         loss_mask, filter_metrics = filter_loss_mask(batch, cfg)
         tensors["advantages"] = advantages.float() * loss_mask
         tensors["loss_mask"] = loss_mask
@@ -188,8 +245,12 @@ class Trainer:
 
         # metrics over all ranks' rows (rank order = the one-process row order)
         trajs = gather_objects(batch.trajectories, self.world)
-        local = {"advantages": tensors["advantages"], "loss_mask": loss_mask, "old_log_probs": tensors["old_log_probs"],
-                 "sum_pi_squared": tensors["sum_pi_squared"]}
+        local = {
+            "advantages": tensors["advantages"],
+            "loss_mask": loss_mask,
+            "old_log_probs": tensors["old_log_probs"],
+            "sum_pi_squared": tensors["sum_pi_squared"],
+        }
         if is_weights is not None:
             local["is_weights"] = is_weights
         g_all = gather_tensors(local, self.world)
@@ -198,9 +259,16 @@ class Trainer:
         kept = gather_objects([filter_metrics["filter/kept_frac"]], self.world)  # equal rows per rank
         metrics["filter/kept_frac"] = float(np.mean(kept))
         metrics.update(advantage_stats(g_all["advantages"], g_all["loss_mask"]))
-        metrics.update(variance_proxy_metrics(g_all["advantages"], g_all["loss_mask"], g_all["old_log_probs"],
-                                              g_all["sum_pi_squared"], rollout_is_weights=g_all.get("is_weights"),
-                                              gradient_norm=actor_metrics.get("actor/grad_norm")))
+        metrics.update(
+            variance_proxy_metrics(
+                g_all["advantages"],
+                g_all["loss_mask"],
+                g_all["old_log_probs"],
+                g_all["sum_pi_squared"],
+                rollout_is_weights=g_all.get("is_weights"),
+                gradient_norm=actor_metrics.get("actor/grad_norm"),
+            )
+        )
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
         metrics["rollout/sampled_tokens_per_s"] = batch.stats.get("sampled_tokens_per_s", float("nan"))
@@ -218,15 +286,24 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """One process: everything in one dict (model, optimizer, scheduler, cursor, RNG, step)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "cursor": self.cursor.state(), "rng": rng_state(), "step": self.step}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "cursor": self.cursor.state(),
+            "rng": rng_state(),
+            "step": self.step,
+        }
 
     def _small_state(self) -> dict[str, Any]:
         """Under FSDP: what is not sharded (model and optimizer go through DCP); RNG of every rank."""
-        return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "cursor": self.cursor.state(), "rng_per_rank": gather_objects([rng_state()], self.world),
-                "step": self.step, "world_size": self.world}
+        return {
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "cursor": self.cursor.state(),
+            "rng_per_rank": gather_objects([rng_state()], self.world),
+            "step": self.step,
+            "world_size": self.world,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "model" in state:
@@ -249,7 +326,8 @@ class Trainer:
             raise ConfigError(
                 f"the checkpoint {self.out / 'checkpoints' / f'step_{step}'} was written by a "
                 f"{'torchrun/FSDP' if sharded else 'one-process'} run; resume it the same way "
-                f"({'torchrun --nproc_per_node N' if sharded else 'without torchrun'})")
+                f"({'torchrun --nproc_per_node N' if sharded else 'without torchrun'})"
+            )
         if sharded:
             load_distributed_state(self.out / "checkpoints" / f"step_{step}", self.model, self.optimizer)
         self.load_state_dict(state)
@@ -273,8 +351,10 @@ class Trainer:
             history.append(res.metrics)
             if self.logger is not None:
                 self.logger.log(res.metrics, self.step)
-            bar.set_postfix(acc=f"{res.metrics.get('reward/accuracy', float('nan')):.2f}",
-                            tools=f"{res.metrics.get('tools/call_rate', float('nan')):.2f}")
+            bar.set_postfix(
+                acc=f"{res.metrics.get('reward/accuracy', float('nan')):.2f}",
+                tools=f"{res.metrics.get('tools/call_rate', float('nan')):.2f}",
+            )
             bar.update(1)
             if self.cfg.trainer.save_every and (self.step % self.cfg.trainer.save_every == 0 or self.step == total):
                 self.save()
@@ -284,8 +364,15 @@ class Trainer:
     def save(self) -> None:
         root, keep = self.out / "checkpoints", self.cfg.trainer.keep_checkpoints
         if self.world > 1:
-            save_distributed_checkpoint(root, self.step, self.model, self.optimizer, self._small_state(),
-                                        rank=self.rank, world=self.world, keep=keep)
+            save_distributed_checkpoint(
+                root,
+                self.step,
+                self.model,
+                self.optimizer,
+                self._small_state(),
+                rank=self.rank,
+                world=self.world,
+                keep=keep,
+            )
             return
         save_checkpoint(root, self.step, self.state_dict(), keep=keep)
-

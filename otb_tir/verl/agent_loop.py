@@ -79,8 +79,13 @@ class ServerManagerEngine:
     ``request_id`` per episode keeps its turns on one server (prefix caching, as verl's loops do).
     """
 
-    def __init__(self, server_manager: Any, sampling_params: Mapping[str, Any], request_id: str | None = None,
-                 **generate_kwargs: Any) -> None:
+    def __init__(
+        self,
+        server_manager: Any,
+        sampling_params: Mapping[str, Any],
+        request_id: str | None = None,
+        **generate_kwargs: Any,
+    ) -> None:
         self.server_manager = server_manager
         self.base = {k: v for k, v in dict(sampling_params).items() if k not in ("max_tokens", "max_new_tokens")}
         self.request_id = request_id or uuid4().hex
@@ -97,8 +102,9 @@ class ServerManagerEngine:
         if params.stop:
             sp["stop"] = list(params.stop)
         self.calls += 1
-        out = await self.server_manager.generate(request_id=self.request_id, prompt_ids=list(prompt_ids),
-                                                 sampling_params=sp, **self.generate_kwargs)
+        out = await self.server_manager.generate(
+            request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=sp, **self.generate_kwargs
+        )
         ids = [int(t) for t in out.token_ids]
         stop_reason = getattr(out, "stop_reason", None)
         if stop_reason == "aborted":
@@ -107,7 +113,8 @@ class ServerManagerEngine:
         if logprobs is None or len(logprobs) != len(ids):
             raise EngineError(
                 f"the verl server returned {len(ids)} tokens but "
-                f"{'no' if logprobs is None else len(logprobs)} log-probs although logprobs were requested")
+                f"{'no' if logprobs is None else len(logprobs)} log-probs although logprobs were requested"
+            )
         if ids and ids[-1] in stop_ids:
             finish = "stop"
         elif len(ids) >= params.max_tokens:
@@ -123,30 +130,46 @@ class ServerManagerEngine:
         return None
 
 
-def episode_config_from_verl(rollout_config: Any, *, max_tokens_per_turn: int | None = None,
-                             tool_timeout: float | None = 10.0, system_prompt: str | None = None,
-                             reward: Mapping[str, Any] | None = None, tools: Sequence[str] | None = None,
-                             chat_template_kwargs: Mapping[str, Any] | None = None) -> EpisodeConfig:
+def episode_config_from_verl(
+    rollout_config: Any,
+    *,
+    max_tokens_per_turn: int | None = None,
+    tool_timeout: float | None = 10.0,
+    system_prompt: str | None = None,
+    reward: Mapping[str, Any] | None = None,
+    tools: Sequence[str] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> EpisodeConfig:
     """The :class:`EpisodeConfig` that verl's ``actor_rollout_ref.rollout`` section describes."""
     mt = rollout_config.multi_turn
     R = int(rollout_config.response_length)
     side = _TRUNCATE_SIDE.get(str(mt.tool_response_truncate_side))
     if side is None:
-        raise EnvError(f"rollout.multi_turn.tool_response_truncate_side={mt.tool_response_truncate_side!r}: "
-                       f"expected one of {sorted(_TRUNCATE_SIDE)}")
+        raise EnvError(
+            f"rollout.multi_turn.tool_response_truncate_side={mt.tool_response_truncate_side!r}: "
+            f"expected one of {sorted(_TRUNCATE_SIDE)}"
+        )
     if mt.format not in ("hermes", "code_block"):
-        raise EnvError(f"rollout.multi_turn.format={mt.format!r} is not supported by {AGENT_NAME}: "
-                       "use hermes or code_block")
+        raise EnvError(
+            f"rollout.multi_turn.format={mt.format!r} is not supported by {AGENT_NAME}: use hermes or code_block"
+        )
     # verl's sections carry the same names as ours (agent_env's EpisodeConfig.from_sections reads them);
     # what verl names differently, lacks, or means otherwise (its multi_turn.tool_config_path is a
     # file of verl's tools, which this loop does not use) is given here.
     return EpisodeConfig.from_sections(
-        rollout_config, mt, reward or {},
-        tools=None if tools is None else list(tools), tool_config={}, tool_config_path=None,
+        rollout_config,
+        mt,
+        reward or {},
+        tools=None if tools is None else list(tools),
+        tool_config={},
+        tool_config_path=None,
         max_assistant_turns=int(mt.max_assistant_turns or 8),
         max_tokens_per_turn=min(int(max_tokens_per_turn or R), R),
-        tool_response_truncate_side=side, tool_timeout=tool_timeout, system_prompt=system_prompt,
-        chat_template_kwargs=dict(chat_template_kwargs or {}))
+        tool_response_truncate_side=side,
+        tool_timeout=tool_timeout,
+        system_prompt=system_prompt,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+    )
 
 
 # One AgentEnv (and one set of tools: sandbox worker pools) per process, event loop and settings:
@@ -176,31 +199,52 @@ def _build_tools(names: Sequence[str] | None, tool_config: Mapping[str, Any], to
 class OTBToolAgentLoop(AgentLoopBase):
     """agent_env's episode as a verl agent loop (see the module docstring for the settings)."""
 
-    def __init__(self, *args: Any, tools: Any = None, otb_tools: Sequence[str] | None = None,
-                 tool_config: Mapping[str, Any] | None = None, tool_config_path: str | None = None,
-                 max_tokens_per_turn: int | None = None, tool_timeout: float | None = 10.0,
-                 system_prompt: str | None = None, reward: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        tools: Any = None,
+        otb_tools: Sequence[str] | None = None,
+        tool_config: Mapping[str, Any] | None = None,
+        tool_config_path: str | None = None,
+        max_tokens_per_turn: int | None = None,
+        tool_timeout: float | None = 10.0,
+        system_prompt: str | None = None,
+        reward: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         verl_tools = getattr(tools, "tools", None) or []
         if verl_tools:
-            logger.warning("%s ignores verl's own tools (%s) from rollout.multi_turn.tool_config_path; "
-                           "list ours with otb_tools / tool_config_path in the agent-loop YAML", AGENT_NAME,
-                           [getattr(t, "name", t) for t in verl_tools])
+            logger.warning(
+                "%s ignores verl's own tools (%s) from rollout.multi_turn.tool_config_path; "
+                "list ours with otb_tools / tool_config_path in the agent-loop YAML",
+                AGENT_NAME,
+                [getattr(t, "name", t) for t in verl_tools],
+            )
         self.otb_tool_names = None if otb_tools is None else list(_plain(otb_tools))
         self.otb_tool_config = dict(_plain(tool_config) or {})
         self.otb_tool_config_path = tool_config_path
         self.episode_config = episode_config_from_verl(
-            self.rollout_config, max_tokens_per_turn=max_tokens_per_turn, tool_timeout=tool_timeout,
-            system_prompt=system_prompt, reward=_plain(reward), tools=self.otb_tool_names,
-            chat_template_kwargs=_plain(self.apply_chat_template_kwargs))
+            self.rollout_config,
+            max_tokens_per_turn=max_tokens_per_turn,
+            tool_timeout=tool_timeout,
+            system_prompt=system_prompt,
+            reward=_plain(reward),
+            tools=self.otb_tool_names,
+            chat_template_kwargs=_plain(self.apply_chat_template_kwargs),
+        )
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
 
     def _env(self) -> AgentEnv:
-        key = (id(asyncio.get_running_loop()), id(self.tokenizer),
-               json.dumps([self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path], sort_keys=True,
-                          default=str),
-               repr(self.episode_config))
+        key = (
+            id(asyncio.get_running_loop()),
+            id(self.tokenizer),
+            json.dumps(
+                [self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path], sort_keys=True, default=str
+            ),
+            repr(self.episode_config),
+        )
         env = _ENVS.get(key)
         if env is None:
             tools = _build_tools(self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path)
@@ -220,14 +264,26 @@ class OTBToolAgentLoop(AgentLoopBase):
 
         prompt_ids = env.encode(env.render(env.initial_messages(messages), add_generation_prompt=True))
         if len(prompt_ids) > self.prompt_length:
-            logger.warning("prompt of %d tokens exceeds rollout.prompt_length=%d: episode skipped (empty response)",
-                           len(prompt_ids), self.prompt_length)
+            logger.warning(
+                "prompt of %d tokens exceeds rollout.prompt_length=%d: episode skipped (empty response)",
+                len(prompt_ids),
+                self.prompt_length,
+            )
             return AgentLoopOutput(
-                prompt_ids=prompt_ids[-self.prompt_length:], response_ids=[], response_mask=[],
-                response_logprobs=[] if want_logprobs else None, reward_score=0.0, num_turns=1,
+                prompt_ids=prompt_ids[-self.prompt_length :],
+                response_ids=[],
+                response_mask=[],
+                response_logprobs=[] if want_logprobs else None,
+                reward_score=0.0,
+                num_turns=1,
                 metrics=AgentLoopMetrics(),
-                extra_fields={"turn_scores": [], "tool_rewards": [], "otb_skipped": "prompt_too_long",
-                              "reward_extra_info": _reward_extra_info(None)})
+                extra_fields={
+                    "turn_scores": [],
+                    "tool_rewards": [],
+                    "otb_skipped": "prompt_too_long",
+                    "reward_extra_info": _reward_extra_info(None),
+                },
+            )
 
         engine = ServerManagerEngine(self.server_manager, sampling_params)
         uid = kwargs.get("uid")
@@ -240,12 +296,18 @@ class OTBToolAgentLoop(AgentLoopBase):
             response_logprobs=list(traj.rollout_logprobs) if want_logprobs else None,
             reward_score=float(traj.reward),
             num_turns=1 + traj.num_turns + tool_rounds,  # verl counts user + assistant + tool turns
-            metrics=AgentLoopMetrics(generate_sequences=traj.timings.get("generate_s", 0.0),
-                                     tool_calls=traj.timings.get("tools_s", 0.0),
-                                     compute_score=traj.timings.get("reward_s", 0.0)),
-            extra_fields={"turn_scores": [], "tool_rewards": [], "otb_finish_reason": traj.finish_reason,
-                          "otb_template_mismatch": traj.template_mismatch,
-                          "reward_extra_info": _reward_extra_info(traj)},
+            metrics=AgentLoopMetrics(
+                generate_sequences=traj.timings.get("generate_s", 0.0),
+                tool_calls=traj.timings.get("tools_s", 0.0),
+                compute_score=traj.timings.get("reward_s", 0.0),
+            ),
+            extra_fields={
+                "turn_scores": [],
+                "tool_rewards": [],
+                "otb_finish_reason": traj.finish_reason,
+                "otb_template_mismatch": traj.template_mismatch,
+                "reward_extra_info": _reward_extra_info(traj),
+            },
         )
 
 
@@ -257,6 +319,9 @@ def _reward_extra_info(traj: Trajectory | None) -> dict[str, float]:
     if traj is None:
         counts = dict.fromkeys(COUNT_KEYS, 0.0)
         return {"acc": 0.0, "void_turns": 0.0, "assistant_turns": 0.0, **{f"tool_{k}": v for k, v in counts.items()}}
-    return {"acc": float(bool(traj.reward_details.get("correct", False))), "void_turns": float(traj.void_turns),
-            "assistant_turns": float(traj.num_turns),
-            **{f"tool_{k}": v for k, v in episode_counts(traj).items()}}
+    return {
+        "acc": float(bool(traj.reward_details.get("correct", False))),
+        "void_turns": float(traj.void_turns),
+        "assistant_turns": float(traj.num_turns),
+        **{f"tool_{k}": v for k, v in episode_counts(traj).items()},
+    }

@@ -149,8 +149,12 @@ def apply(force: bool = False, only: set[str] | None = None) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown CPU patches {sorted(unknown)}; known: {PATCHES}")
     with _lock:
-        for name, fn in (("platform", _register_platform), ("process_group", _patch_init_process_group),
-                         ("vllm_version", _patch_vllm_version), ("weight_sync", _patch_rollout_registry)):
+        for name, fn in (
+            ("platform", _register_platform),
+            ("process_group", _patch_init_process_group),
+            ("vllm_version", _patch_vllm_version),
+            ("weight_sync", _patch_rollout_registry),
+        ):
             if only is not None and name not in only:
                 continue
             if name not in _applied:
@@ -381,8 +385,9 @@ def _worker_extension_class() -> type:
     class CPUWorkerExtension(vLLMColocateWorkerExtension):
         """verl's vLLM worker extension whose weight update uses vLLM's layerwise reload."""
 
-        def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,
-                                    use_shm: bool = False) -> None:
+        def update_weights_from_ipc(
+            self, peft_config: dict | None = None, base_sync_done: bool = False, use_shm: bool = False
+        ) -> None:
             if peft_config and base_sync_done:  # LoRA adapters: verl's own path (add_lora)
                 return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
             self._otb_pending: list = []
@@ -455,6 +460,7 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
+
                 def run(module: ModuleType, hooks: list = hooks) -> None:
                     for hook in hooks:
                         hook(module)

@@ -80,8 +80,9 @@ def _response_attention(batch: Any) -> torch.Tensor:
     return batch["attention_mask"][:, -T:]
 
 
-def check_contract(data: Any, adv_estimator: str, verl_estimator: Callable[..., Any] | None,
-                   config: Any = None) -> dict[str, float]:
+def check_contract(
+    data: Any, adv_estimator: str, verl_estimator: Callable[..., Any] | None, config: Any = None
+) -> dict[str, float]:
     """The contract figures of a batch after ``compute_advantage`` (raises :class:`ContractError`)."""
     b = data.batch
     mask = b["response_mask"].bool()
@@ -89,8 +90,7 @@ def check_contract(data: Any, adv_estimator: str, verl_estimator: Callable[..., 
     scores = b["token_level_rewards"]
     inside = _response_attention(b).bool()
     tool = inside & ~mask
-    out: dict[str, float] = {"contract/tool_tokens": float(tool.sum()),
-                             "contract/policy_tokens": float(mask.sum())}
+    out: dict[str, float] = {"contract/tool_tokens": float(tool.sum()), "contract/policy_tokens": float(mask.sum())}
     out["contract/tool_token_adv_max_abs"] = float(adv[tool].abs().max()) if tool.any() else 0.0
     out["contract/pad_adv_max_abs"] = float(adv[~inside].abs().max()) if (~inside).any() else 0.0
     # the reward sits on the last policy token of its row
@@ -113,12 +113,18 @@ def check_contract(data: Any, adv_estimator: str, verl_estimator: Callable[..., 
         out["contract/informative_groups"] = float((rmax > rmin).sum())
         out["contract/groups"] = float(g)
         out["contract/informative_policy_adv_nonzero_frac"] = (
-            float((adv[rows] != 0).float().mean()) if rows.any() else math.nan)
+            float((adv[rows] != 0).float().mean()) if rows.any() else math.nan
+        )
     if verl_estimator is not None and adv_estimator in OTB_ESTIMATORS:
         theirs, _ = verl_estimator(
-            token_level_rewards=scores, response_mask=b["response_mask"], config=config,
-            index=data.non_tensor_batch.get("uid"), sum_pi_squared=b["sum_pi_squared"],
-            old_log_probs=b["old_log_probs"], rollout_is_weights=b.get("rollout_is_weights", None))
+            token_level_rewards=scores,
+            response_mask=b["response_mask"],
+            config=config,
+            index=data.non_tensor_batch.get("uid"),
+            sum_pi_squared=b["sum_pi_squared"],
+            old_log_probs=b["old_log_probs"],
+            rollout_is_weights=b.get("rollout_is_weights", None),
+        )
         out["contract/adv_max_abs_diff_vs_verl"] = float((adv - theirs).abs().max())
     problems = []
     if out["contract/tool_token_adv_max_abs"] != 0.0:
@@ -174,8 +180,13 @@ def batch_metrics(data: Any) -> dict[str, float]:
 
 
 # verl name → the local trainer's name (for curves.png, summary.json and side-by-side comparisons)
-_RENAMES = {"actor/pg_loss": "actor/pg_loss", "actor/entropy": "actor/entropy", "actor/grad_norm": "actor/grad_norm",
-            "actor/pg_clipfrac": "actor/clip_frac", "actor/ppo_kl": "actor/approx_kl"}
+_RENAMES = {
+    "actor/pg_loss": "actor/pg_loss",
+    "actor/entropy": "actor/entropy",
+    "actor/grad_norm": "actor/grad_norm",
+    "actor/pg_clipfrac": "actor/clip_frac",
+    "actor/ppo_kl": "actor/approx_kl",
+}
 
 
 def translate_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -190,7 +201,7 @@ def translate_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
         if src in out and dst not in out:
             out[dst] = out[src]
     for k, v in list(out.items()):
-        phase = k[len("timing_s/"):]
+        phase = k[len("timing_s/") :]
         if k.startswith("timing_s/") and "/" not in phase:  # gen, reward, old_log_prob, adv, update_actor, ...
             out[f"timing/{phase}_s"] = v
     # verl's agent-loop timings per episode → the local trainer's per-episode means

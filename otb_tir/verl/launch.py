@@ -56,8 +56,16 @@ from tools import DEFAULT_TOOLS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OTB_ESTIMATORS", "VerlRunError", "compose_verl_config", "main", "prepare_verl", "run_verl",
-           "validate_verl_config", "verl_config_dir"]
+__all__ = [
+    "OTB_ESTIMATORS",
+    "VerlRunError",
+    "compose_verl_config",
+    "main",
+    "prepare_verl",
+    "run_verl",
+    "validate_verl_config",
+    "verl_config_dir",
+]
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 AGENT_LOOP_TARGET = "otb_tir.verl.agent_loop.OTBToolAgentLoop"
@@ -84,7 +92,9 @@ def _compose_base(overrides: Sequence[str]) -> DictConfig:
             return compose(config_name="ppo_trainer", overrides=list(overrides))
         except Exception as exc:  # hydra's OverrideParseException, ConfigCompositionException, ...
             msg = " ".join(str(exc).split())
-            raise ConfigError(f"verl {require_verl().__version__} rejected the overrides {list(overrides)}: {msg}") from None
+            raise ConfigError(
+                f"verl {require_verl().__version__} rejected the overrides {list(overrides)}: {msg}"
+            ) from None
 
 
 def _user_overrides(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
@@ -137,8 +147,14 @@ def _check_override_kinds(base: DictConfig, parsed: list) -> None:
         have, want = _kind(o.value()), _kind(current)
         if have is None or want is None or have == want or (want == "str" and have in ("number", "bool")):
             continue
-        default = "" if want == "mapping" else f" (default {OmegaConf.to_container(current) if want == 'list' else current!r})"
-        raise ConfigError(f"verl override {o.input_line!r}: verl's '{o.key_or_group}' is a {want}{default}, got a {have}")
+        default = (
+            ""
+            if want == "mapping"
+            else f" (default {OmegaConf.to_container(current) if want == 'list' else current!r})"
+        )
+        raise ConfigError(
+            f"verl override {o.input_line!r}: verl's '{o.key_or_group}' is a {want}{default}, got a {have}"
+        )
 
 
 def _apply_user_overrides(vcfg: DictConfig, parsed: list) -> None:
@@ -174,16 +190,22 @@ def _exists(vcfg: DictConfig, key: str) -> bool:
 
 def _check_supported(cfg: DictConfig) -> None:
     if cfg.rollout.name not in ("vllm", "sglang"):
-        raise ConfigError(f"rollout.name={cfg.rollout.name!r}: the verl path serves the policy with vllm or sglang "
-                          "(e.g. trainer=verl rollout.name=vllm)")
+        raise ConfigError(
+            f"rollout.name={cfg.rollout.name!r}: the verl path serves the policy with vllm or sglang "
+            "(e.g. trainer=verl rollout.name=vllm)"
+        )
     if cfg.algorithm.adv_estimator in OTB_ESTIMATORS and not cfg.algorithm.handle_zero_tail:
-        raise ConfigError("algorithm.handle_zero_tail=false is not available on the verl path (verl's "
-                          "compute_advantage does not pass it; the OTB estimators use the default, true)")
+        raise ConfigError(
+            "algorithm.handle_zero_tail=false is not available on the verl path (verl's "
+            "compute_advantage does not pass it; the OTB estimators use the default, true)"
+        )
     f = cfg.algorithm.filter
     unsupported = [k for k in ("void_turns", "overlong", "all_equal_reward_groups") if f[k]]
     if unsupported:
-        raise ConfigError(f"algorithm.filter.{unsupported[0]}=true is only implemented by the local trainer "
-                          "(trainer=local); verl's trainer has no such filter")
+        raise ConfigError(
+            f"algorithm.filter.{unsupported[0]}=true is only implemented by the local trainer "
+            "(trainer=local); verl's trainer has no such filter"
+        )
 
 
 def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
@@ -299,8 +321,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": int(cfg.multi_turn.max_assistant_turns),
         "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": int(cfg.multi_turn.max_parallel_calls),
         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": int(cfg.multi_turn.max_tool_response_length),
-        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side":
-            cfg.multi_turn.tool_response_truncate_side,
+        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": cfg.multi_turn.tool_response_truncate_side,
         "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(agent_loop_yaml),
         "actor_rollout_ref.rollout.agent.default_agent_loop": "otb_tir_agent",
         # data
@@ -421,12 +442,16 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
         from otb_tir.verl.cpu import has_accelerator
 
         if not has_accelerator():
-            raise ConfigError("trainer.device=cuda but torch sees no GPU here (trainer.device=auto runs verl's "
-                              "CPU profile on a machine without one; verl.dry_run=true prints the GPU command)")
+            raise ConfigError(
+                "trainer.device=cuda but torch sees no GPU here (trainer.device=auto runs verl's "
+                "CPU profile on a machine without one; verl.dry_run=true prints the GPU command)"
+            )
     if device == "cpu" and cfg.rollout.name == "sglang":
-        raise ConfigError("rollout.name=sglang needs a GPU (sglang publishes no CPU build); on a CPU machine verl's "
-                          "rollout is vLLM-CPU (rollout.name=vllm, the default); verl.dry_run=true trainer.device=cuda "
-                          "prints the sglang command for a GPU machine")
+        raise ConfigError(
+            "rollout.name=sglang needs a GPU (sglang publishes no CPU build); on a CPU machine verl's "
+            "rollout is vLLM-CPU (rollout.name=vllm, the default); verl.dry_run=true trainer.device=cuda "
+            "prints the sglang command for a GPU machine"
+        )
     _check_tools(cfg)
     vcfg = compose_verl_config(cfg, overrides, cpu=device == "cpu")
     env: dict[str, str] = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true")}
@@ -447,8 +472,10 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
     cmd = [sys.executable, "-m", "otb_tir.verl.launch", str(config_path)]
     info = {
         "device": device,
-        "trainer": ("verl RayPPOTrainer (trainer.use_v1=false): verl 0.9.1's default v1 trainer never asks the actor "
-                    "for sum_pi_squared, so its OTB estimators cannot run there"),
+        "trainer": (
+            "verl RayPPOTrainer (trainer.use_v1=false): verl 0.9.1's default v1 trainer never asks the actor "
+            "for sum_pi_squared, so its OTB estimators cannot run there"
+        ),
         "adv_estimator": cfg.algorithm.adv_estimator,
         "rollout": vcfg.actor_rollout_ref.rollout.name,
         "n_gpus_per_node": int(vcfg.trainer.n_gpus_per_node),
@@ -474,44 +501,73 @@ def run_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any] |
     info = prepare_verl(cfg, overrides)
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
     if cfg.verl.dry_run:
-        print(f"# verl config: {info['verl_config']}\n# {info['trainer']}\n# device: {info['device']}, rollout: "
-              f"{info['rollout']}, {info['nnodes']} node(s) x {info['n_gpus_per_node']} GPU(s)\n{info['command']}")
+        print(
+            f"# verl config: {info['verl_config']}\n# {info['trainer']}\n# device: {info['device']}, rollout: "
+            f"{info['rollout']}, {info['nnodes']} node(s) x {info['n_gpus_per_node']} GPU(s)\n{info['command']}"
+        )
         return None
     from otb_tir.verl.watchdog import run_watched
 
     t0 = time.time()
-    run_watched(info["argv"], env={**os.environ, **info["env"]}, log_path=out / "verl.log",
-                progress_path=out / "progress.json", phase_timeout_s=float(cfg.verl.phase_timeout_s),
-                error_grace_s=float(cfg.verl.error_grace_s))
+    run_watched(
+        info["argv"],
+        env={**os.environ, **info["env"]},
+        log_path=out / "verl.log",
+        progress_path=out / "progress.json",
+        phase_timeout_s=float(cfg.verl.phase_timeout_s),
+        error_grace_s=float(cfg.verl.error_grace_s),
+    )
     summary = _summary(cfg, out, info, time.time() - t0)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def _summary(cfg: DictConfig, out: Path, info: Mapping[str, Any], wall: float) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-        if (out / "metrics.jsonl").is_file() else []
+    rows = (
+        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        if (out / "metrics.jsonl").is_file()
+        else []
+    )
     steps = [r for r in rows if "training/global_step" in r]
     if len(steps) < int(cfg.trainer.total_steps):
-        raise VerlRunError(f"verl exited 0 after {len(steps)} of {cfg.trainer.total_steps} training steps "
-                           f"(see {out / 'verl.log'})")
+        raise VerlRunError(
+            f"verl exited 0 after {len(steps)} of {cfg.trainer.total_steps} training steps (see {out / 'verl.log'})"
+        )
     vals = [r for r in rows if "val/accuracy" in r]
 
     def figures(r: Mapping[str, Any] | None) -> dict[str, Any] | None:
         if r is None:
             return None
-        return {"step": r["step"], "accuracy": r["val/accuracy"],
-                **{k.split("/")[-2]: v for k, v in r.items() if k.startswith("val-aux/") and k.endswith("/mean@1")
-                   and k.split("/")[-2] in ("reward", "tool_calls", "assistant_turns")}}
+        return {
+            "step": r["step"],
+            "accuracy": r["val/accuracy"],
+            **{
+                k.split("/")[-2]: v
+                for k, v in r.items()
+                if k.startswith("val-aux/")
+                and k.endswith("/mean@1")
+                and k.split("/")[-2] in ("reward", "tool_calls", "assistant_turns")
+            },
+        }
 
     before = next((r for r in vals if r["step"] == 0), None)
     after = vals[-1] if vals and vals[-1]["step"] > 0 else None
     tools = json.loads((out / "tools.json").read_text()) if (out / "tools.json").is_file() else None
-    return {"trainer": "verl", "verl": require_verl().__version__, "device": info["device"],
-            "trainer_path": info["trainer"], "adv_estimator": info["adv_estimator"], "rollout": info["rollout"],
-            "steps": len(steps), "tools": tools, "before": figures(before), "after": figures(after),
-            "last_step": {k: v for k, v in steps[-1].items() if not k.startswith(("val-", "errors/"))},
-            "verl_config": info["verl_config"], "wall_time_s": wall}
+    return {
+        "trainer": "verl",
+        "verl": require_verl().__version__,
+        "device": info["device"],
+        "trainer_path": info["trainer"],
+        "adv_estimator": info["adv_estimator"],
+        "rollout": info["rollout"],
+        "steps": len(steps),
+        "tools": tools,
+        "before": figures(before),
+        "after": figures(after),
+        "last_step": {k: v for k, v in steps[-1].items() if not k.startswith(("val-", "errors/"))},
+        "verl_config": info["verl_config"],
+        "wall_time_s": wall,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,7 +41,7 @@ def take_passthrough(sources: list[tuple[str, Any]], overrides: list[str]) -> tu
         plus = key.startswith("+")
         bare = key[1:] if plus else key
         if bare.startswith("verl.") and bare.split(".")[1] not in ours_keys:
-            verl.append(("+" if plus else "") + bare[len("verl."):] + "=" + value)
+            verl.append(("+" if plus else "") + bare[len("verl.") :] + "=" + value)
         else:
             ours.append(o)
     return ours, verl
@@ -52,11 +52,14 @@ def apply_section(cfg: DictConfig, items: list[str]) -> None:
     cfg.verl.overrides = [*cfg.verl.overrides, *items]
     bad = [o for o in cfg.verl.overrides if "=" not in o]
     if bad:
-        raise ConfigError(f"verl.overrides entries must look like key=value (a key of verl's ppo_trainer config), "
-                          f"got: {bad}")
+        raise ConfigError(
+            f"verl.overrides entries must look like key=value (a key of verl's ppo_trainer config), got: {bad}"
+        )
     if cfg.verl.overrides and cfg.trainer.name != "verl":
-        raise ConfigError(f"verl settings {list(cfg.verl.overrides)} only apply to trainer=verl; add trainer=verl "
-                          "or drop them (the local trainer is configured by this recipe's own keys)")
+        raise ConfigError(
+            f"verl settings {list(cfg.verl.overrides)} only apply to trainer=verl; add trainer=verl "
+            "or drop them (the local trainer is configured by this recipe's own keys)"
+        )
 
 
 def _pop_yaml_passthrough(src: Any, ours_keys: frozenset[str]) -> list[str]:

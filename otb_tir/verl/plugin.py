@@ -40,8 +40,7 @@ def _registry() -> dict[str, Callable[..., Any]]:
 def _ours() -> dict[str, Callable[..., Any]]:
     from otb_tir.advantage import optimal_token_baseline, tir_optimal_token_baseline
 
-    return {"optimal_token_baseline": optimal_token_baseline,
-            "tir_optimal_token_baseline": tir_optimal_token_baseline}
+    return {"optimal_token_baseline": optimal_token_baseline, "tir_optimal_token_baseline": tir_optimal_token_baseline}
 
 
 def install() -> dict[str, Callable[..., Any]]:

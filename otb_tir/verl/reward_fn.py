@@ -12,7 +12,8 @@ from typing import Any
 from agent_env.math_task.reward import math_reward
 
 
-def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None,
-                  **kwargs: Any) -> dict[str, float]:
+def compute_score(
+    data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None, **kwargs: Any
+) -> dict[str, float]:
     res = math_reward(solution_str, ground_truth)
     return {"score": float(res.reward), "acc": float(bool(res.correct))}

@@ -80,12 +80,21 @@ def _last_traceback(lines: Sequence[str]) -> str:
     starts = [i for i, x in enumerate(text) if "Traceback (most recent call last)" in x]
     if not starts:
         return "\n".join(text[-40:])
-    return "\n".join(text[starts[-1]:starts[-1] + 80])
+    return "\n".join(text[starts[-1] : starts[-1] + 80])
 
 
-def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, progress_path: Path,
-                phase_timeout_s: float, error_grace_s: float, teardown_timeout_s: float = 90.0,
-                poll_s: float = 1.0, echo: bool = True) -> None:
+def run_watched(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    progress_path: Path,
+    phase_timeout_s: float,
+    error_grace_s: float,
+    teardown_timeout_s: float = 90.0,
+    poll_s: float = 1.0,
+    echo: bool = True,
+) -> None:
     """Run ``argv`` under the watchdog (see the module docstring); returns when it finished."""
     from otb_tir.verl.launch import VerlRunError
 
@@ -97,9 +106,18 @@ def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, 
     state: dict = {"phase": "launch", "last_output": time.time()}
     started = time.time()
     log = open(log_path, "w", buffering=1)
-    proc = subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
-                            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    proc = subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -137,12 +155,20 @@ def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, 
                     break
                 continue
             if now - since > phase_timeout_s:
-                failure = (f"verl's phase '{phase}' (step {prog['step'] if prog else 0}) ran {now - since:.0f} s, "
-                           f"over verl.phase_timeout_s={phase_timeout_s:g}")
-            elif (error_seen and error_grace_s > 0 and now - error_seen[0][0] > error_grace_s
-                  and now - state["last_output"] > error_grace_s):
-                failure = (f"an error was raised during verl's phase '{phase}', which then neither finished nor "
-                           f"printed anything for verl.error_grace_s={error_grace_s:g} s")
+                failure = (
+                    f"verl's phase '{phase}' (step {prog['step'] if prog else 0}) ran {now - since:.0f} s, "
+                    f"over verl.phase_timeout_s={phase_timeout_s:g}"
+                )
+            elif (
+                error_seen
+                and error_grace_s > 0
+                and now - error_seen[0][0] > error_grace_s
+                and now - state["last_output"] > error_grace_s
+            ):
+                failure = (
+                    f"an error was raised during verl's phase '{phase}', which then neither finished nor "
+                    f"printed anything for verl.error_grace_s={error_grace_s:g} s"
+                )
             if failure:
                 _kill_group(proc)
                 break
@@ -158,10 +184,13 @@ def run_watched(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, 
         where, step = last_error[0] if last_error else (None, 0)
         if where is not None and f"phase '{where}'" not in failure:
             failure += f"; the last traceback appeared earlier, during verl's phase '{where}' (step {step})"
-        raise VerlRunError(f"{failure}; the run was stopped. Last traceback (full log: {log_path}):\n"
-                           f"{_last_traceback(list(tail))}")
+        raise VerlRunError(
+            f"{failure}; the run was stopped. Last traceback (full log: {log_path}):\n{_last_traceback(list(tail))}"
+        )
     prog = _read_progress(progress_path)
     if proc.returncode not in (0, None) and not (prog and prog.get("phase") == "finished"):
         where = prog.get("failed") or prog["phase"] if prog else "launch"
-        raise VerlRunError(f"verl exited with code {proc.returncode} in phase '{where}' (step {prog['step'] if prog else 0}) "
-                           f"(full log: {log_path}):\n{_last_traceback(list(tail))}")
+        raise VerlRunError(
+            f"verl exited with code {proc.returncode} in phase '{where}' (step {prog['step'] if prog else 0}) "
+            f"(full log: {log_path}):\n{_last_traceback(list(tail))}"
+        )

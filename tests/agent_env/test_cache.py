@@ -54,8 +54,13 @@ _BUILDER = textwrap.dedent(
 
 def _builder(root: Path, mode: str = "ok") -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return subprocess.Popen([sys.executable, "-c", _BUILDER, str(root), mode], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _BUILDER, str(root), mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(predicate, timeout: float = 120.0) -> None:
@@ -184,8 +189,9 @@ def test_tiny_policy_publishes_through_the_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiny, "build_tiny_tokenizer", counted)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(tiny.tiny_policy_dir(tmp_path, **_SMALL)))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(tiny.tiny_policy_dir(tmp_path, **_SMALL))) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import sympy
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent_env import EnvError
 from agent_env.math_task.data import DATA_SOURCE, KINDS, load_parquet, make_split, write_parquet
@@ -61,11 +62,14 @@ def test_splits_disjoint_for_any_seeds():
     train = {i["prompt"][0]["content"] for s in (0, 1) for i in make_split("train", 1500, seed=s)}
     test = {i["prompt"][0]["content"] for s in (0, 1, 2) for i in make_split("test", 500, seed=s)}
     assert not train & test
+
     # the numbers alone (phrasing aside) never repeat across splits either
     def numbers(item):
         return (item["extra_info"]["kind"], item["extra_info"]["expression"])
+
     assert not {numbers(i) for i in make_split("train", 1500, seed=7)} & {
-        numbers(i) for i in make_split("test", 500, seed=8)}
+        numbers(i) for i in make_split("test", 500, seed=8)
+    }
 
 
 def test_answers_checked_by_sympy():
@@ -114,8 +118,12 @@ def test_load_parquet_errors(tmp_path):
     with pytest.raises(EnvError, match=r"lacks the verl column\(s\) \['data_source', 'reward_model'\]"):
         load_parquet(bad)
     no_truth = tmp_path / "no_truth.parquet"
-    pq.write_table(pa.Table.from_pylist([{"data_source": "x", "prompt": [{"role": "user", "content": "hi"}],
-                                          "reward_model": {"style": "rule"}}]), no_truth)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "reward_model": {"style": "rule"}}]
+        ),
+        no_truth,
+    )
     with pytest.raises(EnvError, match="ground_truth"):
         load_parquet(no_truth)
     text = tmp_path / "text.parquet"
@@ -126,8 +134,18 @@ def test_load_parquet_errors(tmp_path):
 
 def test_load_parquet_defaults_and_json_extra_info(tmp_path):
     path = tmp_path / "min.parquet"
-    pq.write_table(pa.Table.from_pylist([{
-        "data_source": "s", "prompt": [{"role": "user", "content": "1+1?"}],
-        "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": json.dumps({"a": 1})}]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "data_source": "s",
+                    "prompt": [{"role": "user", "content": "1+1?"}],
+                    "reward_model": {"style": "rule", "ground_truth": "2"},
+                    "extra_info": json.dumps({"a": 1}),
+                }
+            ]
+        ),
+        path,
+    )
     (row,) = load_parquet(path)
     assert row["extra_info"] == {"a": 1} and row["agent_name"] == "tool_agent"

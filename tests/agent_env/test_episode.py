@@ -121,24 +121,25 @@ def check_token_bookkeeping(env: AgentEnv, engine: ScriptedEngine, traj) -> None
     for turn in traj.turns:
         if turn.obs_end > turn.obs_start:
             n_obs_turns += 1
-            assert all(m == 0 for m in traj.response_mask[turn.obs_start:turn.obs_end])
+            assert all(m == 0 for m in traj.response_mask[turn.obs_start : turn.obs_end])
             # the conversation up to this turn's tool messages
             k = _index_after_turn(msgs, turn.index)
             before = tok.decode(traj.prompt_ids + traj.response_ids[: turn.obs_start], skip_special_tokens=False)
-            with_obs = tok.apply_chat_template(msgs[:k], tools=env._tool_schemas, add_generation_prompt=True,
-                                               tokenize=False)
+            with_obs = tok.apply_chat_template(
+                msgs[:k], tools=env._tool_schemas, add_generation_prompt=True, tokenize=False
+            )
             assert with_obs.startswith(before)
-            inserted = tok.decode(traj.response_ids[turn.obs_start:turn.obs_end], skip_special_tokens=False)
-            assert inserted == with_obs[len(before):]
+            inserted = tok.decode(traj.response_ids[turn.obs_start : turn.obs_end], skip_special_tokens=False)
+            assert inserted == with_obs[len(before) :]
             assert inserted.startswith("\n<|im_start|>user\n<tool_response>")  # the newline after <|im_end|>
             assert inserted.endswith("<|im_start|>assistant\n")
-            assert traj.response_ids[turn.obs_start:turn.obs_end] == tok.encode(inserted, add_special_tokens=False)
+            assert traj.response_ids[turn.obs_start : turn.obs_end] == tok.encode(inserted, add_special_tokens=False)
     # decode(prompt + response) is the template's rendering of the final conversation (up to the
     # template's closing of a turn whose stop token was sampled).
     final = tok.apply_chat_template(msgs, tools=env._tool_schemas, add_generation_prompt=False, tokenize=False)
     stream = tok.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
     assert traj.template_mismatch is None
-    assert final.startswith(stream) and final[len(stream):] in ("\n", "<|im_end|>\n")
+    assert final.startswith(stream) and final[len(stream) :] in ("\n", "<|im_end|>\n")
 
 
 def _index_after_turn(msgs, turn_index):
@@ -160,8 +161,9 @@ def _index_after_turn(msgs, turn_index):
 
 def test_calculator_call_then_answer(tiny_tokenizer, real_tools):
     env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig())
-    eng = ScriptedEngine(tiny_tokenizer, ["I will compute.\n" + tc("calculator", expression="2+2"),
-                                          "The tool says 4, so \\boxed{4}."])
+    eng = ScriptedEngine(
+        tiny_tokenizer, ["I will compute.\n" + tc("calculator", expression="2+2"), "The tool says 4, so \\boxed{4}."]
+    )
     traj = run(env, eng, ground_truth="4", uid="u1")
     assert traj.finish_reason == "answer" and traj.num_turns == 2
     assert traj.reward == 1.0 and traj.reward_details["correct"]
@@ -184,8 +186,9 @@ def test_stateful_python_session_and_release(tiny_tokenizer, real_tools):
     py.release = spy
     try:
         env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig())
-        eng = ScriptedEngine(tiny_tokenizer, [tc("python", code="x = 21"), tc("python", code="print(x * 2)"),
-                                              "\\boxed{42}"])
+        eng = ScriptedEngine(
+            tiny_tokenizer, [tc("python", code="x = 21"), tc("python", code="print(x * 2)"), "\\boxed{42}"]
+        )
         traj = run(env, eng, ground_truth="42")
     finally:
         del py.release
@@ -239,10 +242,12 @@ def test_calls_in_one_turn_run_concurrently_up_to_the_cap(tiny_tokenizer, cap):
 
 def test_malformed_calls_become_error_observations_and_are_counted(tiny_tokenizer, real_tools):
     env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(**ROOMY))
-    bad = ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'  # bad JSON
-           + tc("wolfram", query="2+2")                                                 # unknown tool
-           + tc("calculator", expr="2+2")                                               # wrong argument
-           + tc("calculator", expression="6*7"))                                        # fine
+    bad = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'  # bad JSON
+        + tc("wolfram", query="2+2")  # unknown tool
+        + tc("calculator", expr="2+2")  # wrong argument
+        + tc("calculator", expression="6*7")
+    )  # fine
     eng = ScriptedEngine(tiny_tokenizer, [bad, "\\boxed{42}"])
     traj = run(env, eng, ground_truth="42")
     calls = traj.turns[0].tool_calls
@@ -253,8 +258,10 @@ def test_malformed_calls_become_error_observations_and_are_counted(tiny_tokenize
     assert calls[3].text.strip() == "42"
     assert traj.finish_reason == "answer" and traj.reward == 1.0
     # the model reads the errors
-    assert sum("<tool_response>" in tiny_tokenizer.decode(traj.response_ids[t.obs_start:t.obs_end])
-               for t in traj.turns) == 1
+    assert (
+        sum("<tool_response>" in tiny_tokenizer.decode(traj.response_ids[t.obs_start : t.obs_end]) for t in traj.turns)
+        == 1
+    )
     check_token_bookkeeping(env, eng, traj)
 
 
@@ -269,8 +276,9 @@ class SlowTool(Tool):
 
 
 def test_tool_timeout_mid_episode(tiny_tokenizer, real_tools):
-    env = AgentEnv(tiny_tokenizer, {"slow": SlowTool(), "calculator": real_tools["calculator"]},
-                   EpisodeConfig(tool_timeout=0.3))
+    env = AgentEnv(
+        tiny_tokenizer, {"slow": SlowTool(), "calculator": real_tools["calculator"]}, EpisodeConfig(tool_timeout=0.3)
+    )
     eng = ScriptedEngine(tiny_tokenizer, [tc("slow"), "\\boxed{1}"])
     traj = run(env, eng, ground_truth="1")
     c0 = traj.turns[0].tool_calls[0]
@@ -281,8 +289,14 @@ def test_tool_timeout_mid_episode(tiny_tokenizer, real_tools):
 
 def test_tool_failures_mid_episode(tiny_tokenizer, real_tools):
     env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig())
-    eng = ScriptedEngine(tiny_tokenizer, [tc("python", code="1/0") + tc("calculator", expression="1/0 +* 2"),
-                                          tc("python", code="print('still alive')"), "\\boxed{1}"])
+    eng = ScriptedEngine(
+        tiny_tokenizer,
+        [
+            tc("python", code="1/0") + tc("calculator", expression="1/0 +* 2"),
+            tc("python", code="print('still alive')"),
+            "\\boxed{1}",
+        ],
+    )
     traj = run(env, eng, ground_truth="1")
     c1, c2 = traj.turns[0].tool_calls
     assert not c1.ok and c1.error == "runtime_error" and "ZeroDivisionError" in c1.text
@@ -389,8 +403,9 @@ def test_truncation_property_unicode(tiny_tokenizer):
     @settings(max_examples=30, deadline=None)
     @given(st.text(max_size=300), st.integers(1, 30), st.sampled_from(["head", "tail", "middle"]))
     def check(text, cap, side):
-        env = AgentEnv(tiny_tokenizer, [probe], EpisodeConfig(max_tool_response_length=cap,
-                                                              tool_response_truncate_side=side))
+        env = AgentEnv(
+            tiny_tokenizer, [probe], EpisodeConfig(max_tool_response_length=cap, tool_response_truncate_side=side)
+        )
         out, cut, n = env.truncate_tool_text(text)
         assert n == len(tiny_tokenizer.encode(text, add_special_tokens=False))
         if not cut:
@@ -426,8 +441,9 @@ def test_history_rewriting_template_is_detected(tiny_tokenizer, real_tools):
     model produced: the mismatch is recorded (or raised), the inserted tokens stay correct."""
     from otb_tir.defaults.tiny import chat_template
 
-    stripping = chat_template().replace("{{- text(message.content) -}}",
-                                        "{{- text(message.content).split('</think>')[-1] | trim -}}", 1)
+    stripping = chat_template().replace(
+        "{{- text(message.content) -}}", "{{- text(message.content).split('</think>')[-1] | trim -}}", 1
+    )
     assert stripping != chat_template()
     tok = _tokenizer_with_template(tiny_tokenizer, stripping)
     script = ["<think>let me use the calculator</think>" + tc("calculator", expression="3*3"), "\\boxed{9}"]
@@ -439,10 +455,11 @@ def test_history_rewriting_template_is_detected(tiny_tokenizer, real_tools):
     # mask=1 still exactly the sampled ids; the inserted tokens are the template's closing newline,
     # the tool response and the next assistant header
     t0 = traj.turns[0]
-    inserted = tok.decode(traj.response_ids[t0.obs_start:t0.obs_end], skip_special_tokens=False)
+    inserted = tok.decode(traj.response_ids[t0.obs_start : t0.obs_end], skip_special_tokens=False)
     assert inserted == "\n<|im_start|>user\n<tool_response>\n9\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == \
-        [i for _, _, o in eng.calls for i in o.token_ids]
+    assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == [
+        i for _, _, o in eng.calls for i in o.token_ids
+    ]
 
     strict = AgentEnv(tok, real_tools, EpisodeConfig(on_template_mismatch="error"))
     with pytest.raises(EnvError, match="renders the conversation differently"):
@@ -453,9 +470,12 @@ def test_non_prefix_preserving_template_raises(tiny_tokenizer, real_tools):
     from otb_tir.defaults.tiny import chat_template
 
     # Marks the last message specially: adding a tool message changes the earlier rendering.
-    bad = chat_template().replace("{{- '<|im_end|>\\n' -}}\n    {%- elif message.role == 'tool' -%}",
-                                  "{%- if loop.last -%}{{- ' (last)' -}}{%- endif -%}{{- '<|im_end|>\\n' -}}\n"
-                                  "    {%- elif message.role == 'tool' -%}", 1)
+    bad = chat_template().replace(
+        "{{- '<|im_end|>\\n' -}}\n    {%- elif message.role == 'tool' -%}",
+        "{%- if loop.last -%}{{- ' (last)' -}}{%- endif -%}{{- '<|im_end|>\\n' -}}\n"
+        "    {%- elif message.role == 'tool' -%}",
+        1,
+    )
     assert bad != chat_template()
     tok = _tokenizer_with_template(tiny_tokenizer, bad)
     env = AgentEnv(tok, real_tools, EpisodeConfig())
@@ -494,7 +514,8 @@ def test_token_bookkeeping_property(tiny_tokenizer):
     from hypothesis import strategies as st
 
     text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=25).map(
-        lambda s: s.replace("<", "(").replace("`", "'"))
+        lambda s: s.replace("<", "(").replace("`", "'")
+    )
     action = st.one_of(
         text.map(lambda s: tc("echo", text=s)),
         st.integers(0, 300).map(lambda k: tc("echo", text="ab" * k)),
@@ -503,20 +524,27 @@ def test_token_bookkeeping_property(tiny_tokenizer):
         st.just(tc("echo", wrong=1)),
     )
     turn = st.tuples(text, st.lists(action, max_size=3), st.booleans()).map(
-        lambda t: t[0] + "".join(t[1]) + ("\\boxed{1}" if t[2] and not t[1] else ""))
+        lambda t: t[0] + "".join(t[1]) + ("\\boxed{1}" if t[2] and not t[1] else "")
+    )
 
     @settings(max_examples=25, deadline=None)
     @given(st.lists(turn, min_size=1, max_size=4), st.integers(20, 400), st.sampled_from(["head", "tail", "middle"]))
     def check(script, budget, side):
-        cfg = EpisodeConfig(response_length=budget, max_tokens_per_turn=120, max_tool_response_length=30,
-                            tool_response_truncate_side=side, max_assistant_turns=3)
+        cfg = EpisodeConfig(
+            response_length=budget,
+            max_tokens_per_turn=120,
+            max_tool_response_length=30,
+            tool_response_truncate_side=side,
+            max_assistant_turns=3,
+        )
         env = AgentEnv(tiny_tokenizer, [EchoTool()], cfg)
         eng = ScriptedEngine(tiny_tokenizer, script)
         traj = run(env, eng)
         assert len(traj.response_ids) <= budget
         assert traj.finish_reason in ("answer", "void_turn", "max_turns", "length", "turn_length", "tool_overflow")
-        assert traj.malformed_calls == sum(c.error in ("malformed_call", "unknown_tool", "bad_arguments")
-                                           for t in traj.turns for c in t.tool_calls)
+        assert traj.malformed_calls == sum(
+            c.error in ("malformed_call", "unknown_tool", "bad_arguments") for t in traj.turns for c in t.tool_calls
+        )
         if traj.response_mask:
             assert traj.response_mask[-1] == 1 or traj.finish_reason not in ("tool_overflow",)
         check_token_bookkeeping(env, eng, traj)
@@ -527,9 +555,15 @@ def test_token_bookkeeping_property(tiny_tokenizer):
 def test_config_from_omegaconf_section():
     from omegaconf import OmegaConf
 
-    section = OmegaConf.create({"format": "code_block", "tools": ["python"], "max_assistant_turns": 3,
-                                "tool_config": {"python": {"stateful": True}},
-                                "reward": {"format_bonus": 0.1}})
+    section = OmegaConf.create(
+        {
+            "format": "code_block",
+            "tools": ["python"],
+            "max_assistant_turns": 3,
+            "tool_config": {"python": {"stateful": True}},
+            "reward": {"format_bonus": 0.1},
+        }
+    )
     cfg = EpisodeConfig.from_dict(section)
     assert cfg.format == "code_block" and cfg.tools == ["python"] and cfg.max_assistant_turns == 3
     assert cfg.reward.format_bonus == 0.1 and cfg.tool_config == {"python": {"stateful": True}}
@@ -559,19 +593,43 @@ def test_the_defaults_are_the_trainer_configs_and_from_sections_reads_its_names(
 
     from otb_tir.trainer.config import Config, load_config
 
-    assert EpisodeConfig.from_sections(OmegaConf.structured(Config).rollout, OmegaConf.structured(Config).multi_turn,
-                                       OmegaConf.structured(Config).reward) == EpisodeConfig()
-    cfg = load_config(None, ["rollout.response_length=300", "rollout.top_k=5", "multi_turn.format=code_block",
-                             "multi_turn.max_tool_response_length=17", "multi_turn.tools=[python]",
-                             "multi_turn.tool_timeout=2.5", "reward.format_bonus=0.25"])
+    assert (
+        EpisodeConfig.from_sections(
+            OmegaConf.structured(Config).rollout,
+            OmegaConf.structured(Config).multi_turn,
+            OmegaConf.structured(Config).reward,
+        )
+        == EpisodeConfig()
+    )
+    cfg = load_config(
+        None,
+        [
+            "rollout.response_length=300",
+            "rollout.top_k=5",
+            "multi_turn.format=code_block",
+            "multi_turn.max_tool_response_length=17",
+            "multi_turn.tools=[python]",
+            "multi_turn.tool_timeout=2.5",
+            "reward.format_bonus=0.25",
+        ],
+    )
     ep = EpisodeConfig.from_sections(cfg.rollout, cfg.multi_turn, cfg.reward, temperature=0.0)
-    assert (ep.response_length, ep.top_k, ep.format, ep.max_tool_response_length, ep.tools, ep.tool_timeout,
-            ep.reward.format_bonus, ep.temperature) == (300, 5, "code_block", 17, ["python"], 2.5, 0.25, 0.0)
+    assert (
+        ep.response_length,
+        ep.top_k,
+        ep.format,
+        ep.max_tool_response_length,
+        ep.tools,
+        ep.tool_timeout,
+        ep.reward.format_bonus,
+        ep.temperature,
+    ) == (300, 5, "code_block", 17, ["python"], 2.5, 0.25, 0.0)
     # plain attribute objects (verl's dataclass configs) and mappings alike; a missing key keeps the default
     from types import SimpleNamespace
 
-    ep = EpisodeConfig.from_sections(SimpleNamespace(response_length=64, temperature=0.7),
-                                     {"format": "hermes", "max_parallel_calls": 2})
+    ep = EpisodeConfig.from_sections(
+        SimpleNamespace(response_length=64, temperature=0.7), {"format": "hermes", "max_parallel_calls": 2}
+    )
     assert (ep.response_length, ep.temperature, ep.max_parallel_calls, ep.max_tokens_per_turn) == (64, 0.7, 2, 96)
 
 
@@ -619,11 +677,16 @@ def test_a_stateful_session_is_released_however_the_trajectory_ends(tiny_tokeniz
 
     engines = [Engine(tiny_tokenizer, script) for _ in range(2)]  # one per episode: its own turn count
     turns = 2 if ending == "max_turns" else 4
-    env = AgentEnv(tiny_tokenizer, tools={"note": tool},
-                   config=EpisodeConfig(max_assistant_turns=turns, response_length=256, max_tokens_per_turn=256))
+    env = AgentEnv(
+        tiny_tokenizer,
+        tools={"note": tool},
+        config=EpisodeConfig(max_assistant_turns=turns, response_length=256, max_tokens_per_turn=256),
+    )
 
     async def go():
-        tasks = [asyncio.ensure_future(env.run(eng, f"question {k}", ground_truth="2")) for k, eng in enumerate(engines)]
+        tasks = [
+            asyncio.ensure_future(env.run(eng, f"question {k}", ground_truth="2")) for k, eng in enumerate(engines)
+        ]
         if ending == "cancelled":
             for _ in range(200):
                 if sum(e[0] == "call" for e in tool.events) >= 4:

@@ -6,9 +6,9 @@ import asyncio
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch
 
 from agent_env.engines import Engine, EngineError, HFEngine, SamplingParams
 from agent_env.engines.hf import _sample
@@ -28,7 +28,9 @@ def prompts(tiny_tokenizer):
     out = []
     for i in range(8):
         q = f"Compute {rng.randint(2, 999)} * {rng.randint(2, 99)}." + " Explain step by step." * (i * 3 % 7)
-        text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = tiny_tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         out.append(tiny_tokenizer.encode(text, add_special_tokens=False))
     assert len({len(p) for p in out}) >= 5
     return out
@@ -60,14 +62,18 @@ def test_engine_satisfies_protocol(engine):
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.6])
 def test_logprobs_match_teacher_forcing_across_padded_batch(engine, tiny_model, prompts, temperature):
     mixed = [
-        SamplingParams(max_tokens=24, temperature=temperature, seed=i, top_k=[-1, 5, 50][i % 3], top_p=[1.0, 0.9, 0.5][i % 3 - 1])
+        SamplingParams(
+            max_tokens=24, temperature=temperature, seed=i, top_k=[-1, 5, 50][i % 3], top_p=[1.0, 0.9, 0.5][i % 3 - 1]
+        )
         for i in range(len(prompts))
     ]
     outs = run(gen_all(engine, prompts, mixed))
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == len(out.logprobs) >= 1
         ref = teacher_forced(tiny_model, prompt, out.token_ids, temperature)
-        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0), (ref - torch.tensor(out.logprobs)).abs().max()
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0), (
+            (ref - torch.tensor(out.logprobs)).abs().max()
+        )
 
 
 def test_logprobs_match_with_requests_joining_mid_decode(engine, tiny_model, prompts):
@@ -149,8 +155,14 @@ def test_stop_strings_included_and_respected(engine, tiny_tokenizer, prompts):
             continue
         cases.append((prompts[j], out, stop))
     assert len(cases) >= 3
-    cut = run(gen_all(engine, [c[0] for c in cases], [SamplingParams(max_tokens=48, temperature=0.0, stop=["<never>", c[2]]) for c in cases]))
-    for (prompt, out, stop), c in zip(cases, cut):
+    cut = run(
+        gen_all(
+            engine,
+            [c[0] for c in cases],
+            [SamplingParams(max_tokens=48, temperature=0.0, stop=["<never>", c[2]]) for c in cases],
+        )
+    )
+    for (_prompt, out, stop), c in zip(cases, cut):
         # brute-force reference: the shortest prefix whose text contains the stop string
         k = next(k for k in range(1, len(out.token_ids) + 1) if stop in tiny_tokenizer.decode(out.token_ids[:k]))
         assert c.token_ids == out.token_ids[:k]
@@ -190,7 +202,13 @@ def test_step_failure_reaches_callers_and_engine_recovers(tiny_model_factory, pr
 def test_seeds_reproducible_and_independent_of_batch(engine, prompts, tiny_model_dir):
     sp = SamplingParams(max_tokens=30, temperature=1.0, seed=1234)
     alone = run(engine.generate(prompts[2], sp))
-    crowd = run(gen_all(engine, prompts, [sp if i == 2 else SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(len(prompts))]))
+    crowd = run(
+        gen_all(
+            engine,
+            prompts,
+            [sp if i == 2 else SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(len(prompts))],
+        )
+    )
     assert crowd[2].token_ids == alone.token_ids
     other = run(engine.generate(prompts[2], SamplingParams(max_tokens=30, temperature=1.0, seed=4321)))
     assert other.token_ids != alone.token_ids
@@ -222,7 +240,9 @@ def test_32_concurrent_greedy_calls_equal_single_requests(tiny_model_dir, prompt
     longest = {j: max(sp.max_tokens for jj, sp in reqs if jj == j) for j, _ in reqs}
 
     async def sequential():
-        return {j: await eng.generate(prompts[j], SamplingParams(max_tokens=n, temperature=0.0)) for j, n in longest.items()}
+        return {
+            j: await eng.generate(prompts[j], SamplingParams(max_tokens=n, temperature=0.0)) for j, n in longest.items()
+        }
 
     single = run(sequential())
     for m, (j, sp) in zip(many, reqs):
@@ -392,7 +412,9 @@ def test_property_logprobs_and_greedy_under_random_batches(engine, tiny_model, r
     outs = run(go())
     for (prompt, n, _, temp), out in zip(reqs, outs):
         assert 1 <= len(out.token_ids) <= n
-        assert out.finish_reason == ("length" if len(out.token_ids) == n and out.token_ids[-1] not in engine._eos_ids else "stop")
+        assert out.finish_reason == (
+            "length" if len(out.token_ids) == n and out.token_ids[-1] not in engine._eos_ids else "stop"
+        )
         ref = teacher_forced(tiny_model, prompt, out.token_ids, temp)
         assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
         if temp == 0.0:

@@ -24,8 +24,13 @@ def test_get_parser_by_name():
 
 
 def test_hermes_several_calls_in_order_with_text_between():
-    text = "Let me compute.\n" + call("calculator", {"expression": "2+2"}) + " and also " + \
-        call("python", {"code": "print('}</tool_call>')"}) + "\nDone."
+    text = (
+        "Let me compute.\n"
+        + call("calculator", {"expression": "2+2"})
+        + " and also "
+        + call("python", {"code": "print('}</tool_call>')"})
+        + "\nDone."
+    )
     calls = HermesParser().parse(text)
     assert [c.name for c in calls] == ["calculator", "python"]
     assert calls[0].arguments == {"expression": "2+2"}
@@ -52,30 +57,38 @@ def test_hermes_truncated_unterminated_call():
 
 
 def test_hermes_nested_tags():
-    text = "<tool_call> oops <tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": "3*3"}}) + \
-        "</tool_call>"
+    text = (
+        "<tool_call> oops <tool_call>"
+        + json.dumps({"name": "calculator", "arguments": {"expression": "3*3"}})
+        + "</tool_call>"
+    )
     calls = HermesParser().parse(text)
     assert [c.ok for c in calls] == [False, True]
     assert calls[0].error == "malformed_call" and "inside another" in calls[0].error_message
     assert calls[1].arguments == {"expression": "3*3"}
 
 
-@pytest.mark.parametrize("body,msg", [
-    ('["calculator"]', "JSON object"),
-    ('{"arguments": {}}', 'no "name"'),
-    ('{"name": "", "arguments": {}}', 'no "name"'),
-    ('{"name": "calculator", "arguments": [1, 2]}', "must be a JSON object"),
-    ('{"name": "calculator", "arguments": "{bad"}', "string that is not valid JSON"),
-    ('', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body,msg",
+    [
+        ('["calculator"]', "JSON object"),
+        ('{"arguments": {}}', 'no "name"'),
+        ('{"name": "", "arguments": {}}', 'no "name"'),
+        ('{"name": "calculator", "arguments": [1, 2]}', "must be a JSON object"),
+        ('{"name": "calculator", "arguments": "{bad"}', "string that is not valid JSON"),
+        ('', "not valid JSON"),
+    ],
+)
 def test_hermes_malformed_shapes(body, msg):
     calls = HermesParser().parse(f"<tool_call>{body}</tool_call>")
     assert len(calls) == 1 and not calls[0].ok and msg in calls[0].error_message
 
 
 def test_hermes_arguments_as_json_string_and_missing():
-    calls = HermesParser().parse('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+2\\"}"}'
-                                 '</tool_call><tool_call>{"name": "calculator"}</tool_call>')
+    calls = HermesParser().parse(
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+2\\"}"}'
+        '</tool_call><tool_call>{"name": "calculator"}</tool_call>'
+    )
     assert [c.ok for c in calls] == [True, True]
     assert calls[0].arguments == {"expression": "1+2"} and calls[1].arguments == {}
 
@@ -86,9 +99,17 @@ def test_hermes_unicode():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.text(max_size=20), st.sampled_from(["calculator", "python", "x"]),
-                          st.dictionaries(st.text(max_size=5), st.text(max_size=10), max_size=3)), max_size=4),
-       st.text(max_size=30))
+@given(
+    st.lists(
+        st.tuples(
+            st.text(max_size=20),
+            st.sampled_from(["calculator", "python", "x"]),
+            st.dictionaries(st.text(max_size=5), st.text(max_size=10), max_size=3),
+        ),
+        max_size=4,
+    ),
+    st.text(max_size=30),
+)
 def test_hermes_property_roundtrip(parts, junk):
     """Well-formed calls separated by arbitrary text (without tags) are all found, in order,
     with exactly their arguments; arbitrary junk never makes the parser raise."""

@@ -12,39 +12,55 @@ from hypothesis import strategies as st
 from agent_env.math_task.reward import RewardConfig, answers_match, extract_answer, extract_boxed, math_reward
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so \\boxed{42}.", "42"),
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("\\boxed{\\left\\{1, 2\\right\\}}", "\\left\\{1, 2\\right\\}"),
-    ("first \\boxed{1} then \\boxed{ 2 }", "2"),
-    ("\\fbox{7}", "7"),
-    ("\\boxed 5 is it", "5"),
-    ("\\boxed{{a}{b}}", "{a}{b}"),
-    ("\\boxed{12", None),          # truncated
-    ("\\boxedfoo{3}", None),       # another command
-    ("no box", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so \\boxed{42}.", "42"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{\\left\\{1, 2\\right\\}}", "\\left\\{1, 2\\right\\}"),
+        ("first \\boxed{1} then \\boxed{ 2 }", "2"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed 5 is it", "5"),
+        ("\\boxed{{a}{b}}", "{a}{b}"),
+        ("\\boxed{12", None),  # truncated
+        ("\\boxedfoo{3}", None),  # another command
+        ("no box", None),
+    ],
+)
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
 
-@pytest.mark.parametrize("text,expected,method", [
-    ("The answer is 42.", "42", "phrase"),
-    ("Thus the final answer is $\\frac{3}{4}$.", "\\frac{3}{4}", "phrase"),
-    ("Final answer: 17", "17", "phrase"),
-    ("**Answer:** 9\nmore text", "9", "phrase"),
-    ("The answer is \\boxed{5}", "5", "boxed"),
-    ("I think it's big.", None, "none"),
-])
+@pytest.mark.parametrize(
+    "text,expected,method",
+    [
+        ("The answer is 42.", "42", "phrase"),
+        ("Thus the final answer is $\\frac{3}{4}$.", "\\frac{3}{4}", "phrase"),
+        ("Final answer: 17", "17", "phrase"),
+        ("**Answer:** 9\nmore text", "9", "phrase"),
+        ("The answer is \\boxed{5}", "5", "boxed"),
+        ("I think it's big.", None, "none"),
+    ],
+)
 def test_extract_answer_phrasings(text, expected, method):
     assert extract_answer(text) == (expected, method)
 
 
-@pytest.mark.parametrize("pred,gold", [
-    ("1/2", "0.5"), ("0.5", "\\frac{1}{2}"), ("\\frac12", "1/2"), ("3", "3.0"), ("3.0", "3"),
-    ("\\dfrac{3}{4}", "0.75"), ("x=3", "3"), ("1,000", "1000"), ("(x+1)^2", "x^2+2x+1"),
-    ("\\sqrt{2}", "2^{1/2}"),
-])
+@pytest.mark.parametrize(
+    "pred,gold",
+    [
+        ("1/2", "0.5"),
+        ("0.5", "\\frac{1}{2}"),
+        ("\\frac12", "1/2"),
+        ("3", "3.0"),
+        ("3.0", "3"),
+        ("\\dfrac{3}{4}", "0.75"),
+        ("x=3", "3"),
+        ("1,000", "1000"),
+        ("(x+1)^2", "x^2+2x+1"),
+        ("\\sqrt{2}", "2^{1/2}"),
+    ],
+)
 def test_equivalent_forms_are_correct(pred, gold):
     ok, method = answers_match(pred, gold)
     assert ok and method in ("math_verify", "fraction")
@@ -96,7 +112,7 @@ def test_works_outside_the_main_thread():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(-10**6, 10**6), st.integers(1, 999))
+@given(st.integers(-(10**6), 10**6), st.integers(1, 999))
 def test_fraction_forms_property(num, den):
     """p/q, \\frac{p}{q} and its decimal (when exact) agree; p/q+1 never does (Fraction oracle)."""
     f = Fraction(num, den)

@@ -24,8 +24,10 @@ TIMEOUT = 1
 BOUND_S = TIMEOUT + 1 + 30
 
 garbage_text = st.text(alphabet=string.printable, max_size=10_000)
-garbage_box = st.tuples(st.text(alphabet=string.printable.replace("{", "").replace("}", ""), min_size=10, max_size=200),
-                        st.sampled_from(NON_MATH)).map(lambda t: t[0][: len(t[0]) // 2] + t[1] + t[0][len(t[0]) // 2:])
+garbage_box = st.tuples(
+    st.text(alphabet=string.printable.replace("{", "").replace("}", ""), min_size=10, max_size=200),
+    st.sampled_from(NON_MATH),
+).map(lambda t: t[0][: len(t[0]) // 2] + t[1] + t[0][len(t[0]) // 2 :])
 CFG = RewardConfig(timeout_seconds=TIMEOUT)
 
 
@@ -60,14 +62,26 @@ def test_random_printable_garbage_never_scores_one_off_the_main_thread(prefix, b
 
 
 @pytest.mark.parametrize("where", ["main", "thread"])
-@pytest.mark.parametrize("answer", [
-    tower(4), tower(3, 2), "2^{2^{2^{2^{2}}}}", "x^2^3^4", "9^{9^9}",
-    "\\frac{" * 60 + "1" + "}{2}" * 60, "(" * 500 + "1" + ")" * 500, "{" * 5000 + "1" + "}" * 5000,
-    "2^{999999}", "999999!", "1" * 10_000, "1+" * 5000 + "1",
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        tower(4),
+        tower(3, 2),
+        "2^{2^{2^{2^{2}}}}",
+        "x^2^3^4",
+        "9^{9^9}",
+        "\\frac{" * 60 + "1" + "}{2}" * 60,
+        "(" * 500 + "1" + ")" * 500,
+        "{" * 5000 + "1" + "}" * 5000,
+        "2^{999999}",
+        "999999!",
+        "1" * 10_000,
+        "1+" * 5000 + "1",
+    ],
+)
 def test_towers_nesting_and_huge_inputs_never_reach_sympy_and_never_score_one(where, answer):
     assert implausible_answer(answer) is not None
-    score = (lambda: math_reward("so \\boxed{" + answer + "}", "1", config=CFG))
+    score = lambda: math_reward("so \\boxed{" + answer + "}", "1", config=CFG)
     r = score() if where == "main" else in_thread(score)
     assert r.reward == 0.0 and r.details["comparison"] == "string"
 
@@ -99,9 +113,19 @@ def test_a_hung_comparison_is_abandoned_and_the_next_one_works():
 
 
 EQUIVALENT = [
-    ("1/2", "0.5"), ("0.5", "\\frac{1}{2}"), ("\\dfrac{3}{4}", "0.75"), ("3", "3.0"), ("1,000", "1000"),
-    ("x=3", "3"), ("(x+1)^2", "x^2+2x+1"), ("\\sqrt{2}", "2^{1/2}"), ("10\\text{ cm}", "10"),
-    ("\\frac{\\pi}{2}", "\\pi/2"), ("2\\sqrt{2}", "\\sqrt{8}"), ("e^{x^2}", "e^{x^2}"), ("-\\frac{7}{8}", "-0.875"),
+    ("1/2", "0.5"),
+    ("0.5", "\\frac{1}{2}"),
+    ("\\dfrac{3}{4}", "0.75"),
+    ("3", "3.0"),
+    ("1,000", "1000"),
+    ("x=3", "3"),
+    ("(x+1)^2", "x^2+2x+1"),
+    ("\\sqrt{2}", "2^{1/2}"),
+    ("10\\text{ cm}", "10"),
+    ("\\frac{\\pi}{2}", "\\pi/2"),
+    ("2\\sqrt{2}", "\\sqrt{8}"),
+    ("e^{x^2}", "e^{x^2}"),
+    ("-\\frac{7}{8}", "-0.875"),
 ]
 
 
@@ -112,8 +136,9 @@ def test_ordinary_equivalent_answers_still_score_one(pred, gold):
 
 def test_ordinary_answers_score_the_same_in_a_thread_pool():
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda pg: math_reward(f"\\boxed{{{pg[0]}}}", pg[1], config=CFG).reward,
-                                EQUIVALENT * 2))
+        results = list(
+            pool.map(lambda pg: math_reward(f"\\boxed{{{pg[0]}}}", pg[1], config=CFG).reward, EQUIVALENT * 2)
+        )
     assert results == [1.0] * (2 * len(EQUIVALENT))
 
 
@@ -123,7 +148,8 @@ def test_reward_benchmark_runs_and_both_scorers_agree():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_reward.py"
-    out = subprocess.run([sys.executable, str(script), "--n", "64", "--repeats", "1"], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(script), "--n", "64", "--repeats", "1"], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "same reward on 64/64 responses" in out.stdout and "ms/sample" in out.stdout

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from agent_env import AgentEnv, EnvError, EpisodeConfig, rollout, rollout_async
+from agent_env import AgentEnv, EnvError, EpisodeConfig, rollout
 from agent_env.engines.base import GenerationOutput
 from agent_env.rollout import collate, run_sync
-from tests.agent_env.test_episode import ScriptedEngine, check_token_bookkeeping, tc
+from tests.agent_env.test_episode import ScriptedEngine, tc
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +39,7 @@ PROMPTS = [
 def scripted_by_prompt(tok):
     """Prompt 0: calculator then a correct answer; prompt 1: python then a wrong answer;
     prompt 2: the engine returns nothing (a zero-length response)."""
+
     def script(prompt_ids, k):
         text = tok.decode(prompt_ids)
         n_turns = text.count("<|im_start|>assistant")
@@ -48,6 +48,7 @@ def scripted_by_prompt(tok):
         if "6 times 7" in text:
             return [tc("python", code="print(6*7)"), "\\boxed{41}"][min(n_turns - 1, 1)]
         return []
+
     return script
 
 
@@ -73,8 +74,8 @@ def test_collated_batch_layout(tiny_tokenizer, real_tools):
     for i, t in enumerate(batch.trajectories):
         lp, lr = len(t.prompt_ids), len(t.response_ids)
         row_p, row_r = batch["prompts"][i], batch["responses"][i]
-        assert row_p[P - lp:].tolist() == t.prompt_ids and (row_p[:P - lp] == pad).all()  # left-padded
-        assert row_r[:lr].tolist() == t.response_ids and (row_r[lr:] == pad).all()        # right-padded
+        assert row_p[P - lp :].tolist() == t.prompt_ids and (row_p[: P - lp] == pad).all()  # left-padded
+        assert row_r[:lr].tolist() == t.response_ids and (row_r[lr:] == pad).all()  # right-padded
         assert batch["response_mask"][i, :lr].tolist() == t.response_mask
         assert (batch["response_mask"][i, lr:] == 0).all()
         assert torch.allclose(batch["rollout_log_probs"][i, :lr], torch.tensor(t.rollout_logprobs))
@@ -82,7 +83,7 @@ def test_collated_batch_layout(tiny_tokenizer, real_tools):
         assert am.tolist() == [0] * (P - lp) + [1] * lp + [1] * lr + [0] * (R - lr)
         assert batch["input_ids"][i].tolist() == row_p.tolist() + row_r.tolist()
         pos = batch["position_ids"][i]
-        assert pos[P - lp:P + lr].tolist() == list(range(lp + lr))
+        assert pos[P - lp : P + lr].tolist() == list(range(lp + lr))
         # the reward sits on the last mask=1 token, and nowhere else
         tlr = batch["token_level_rewards"][i]
         ones = [k for k, m in enumerate(t.response_mask) if m]
@@ -104,10 +105,25 @@ def test_collated_batch_layout(tiny_tokenizer, real_tools):
 def test_reward_lands_on_last_policy_token_even_when_mask0_tokens_follow():
     from agent_env.episode import Trajectory
 
-    t = Trajectory(uid="u", prompt_ids=[5, 6], response_ids=[7, 8, 9, 10], response_mask=[1, 1, 0, 0],
-                   rollout_logprobs=[-1.0, -2.0, 0.0, 0.0], turns=[], messages=[], reward=0.5, reward_details={},
-                   finish_reason="x", num_turns=1, void_turns=0, malformed_calls=0, num_tool_calls=0,
-                   tool_errors=0, template_mismatch=None, timings={})
+    t = Trajectory(
+        uid="u",
+        prompt_ids=[5, 6],
+        response_ids=[7, 8, 9, 10],
+        response_mask=[1, 1, 0, 0],
+        rollout_logprobs=[-1.0, -2.0, 0.0, 0.0],
+        turns=[],
+        messages=[],
+        reward=0.5,
+        reward_details={},
+        finish_reason="x",
+        num_turns=1,
+        void_turns=0,
+        malformed_calls=0,
+        num_tool_calls=0,
+        tool_errors=0,
+        template_mismatch=None,
+        timings={},
+    )
     b = collate([t], pad_token_id=0, response_length=6)
     assert b["token_level_rewards"].tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0, 0.0]]
     b = collate([t], pad_token_id=0)  # longest
@@ -119,8 +135,15 @@ def test_reward_lands_on_last_policy_token_even_when_mask0_tokens_follow():
 def test_pad_to_longest_and_config_forms(tiny_tokenizer, real_tools):
     eng = ScriptedEngine(tiny_tokenizer, ["\\boxed{4}"])
     eng.tokenizer = tiny_tokenizer  # rollout takes the tokenizer from the engine
-    batch = rollout(eng, {"response_length": 64, "tools": ["calculator"]}, ["2+2?"], n=3,
-                    tools=[real_tools["calculator"]], pad_to="longest", progress=False)
+    batch = rollout(
+        eng,
+        {"response_length": 64, "tools": ["calculator"]},
+        ["2+2?"],
+        n=3,
+        tools=[real_tools["calculator"]],
+        pad_to="longest",
+        progress=False,
+    )
     assert batch["responses"].shape[1] == len(batch.trajectories[0].response_ids)
     assert len(set(batch["uid"])) == 1
     with pytest.raises(EnvError, match="n \\(samples per prompt\\)"):
@@ -183,18 +206,27 @@ def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, 
     rng = random.Random(seed)
     temperature = 0.8
     questions = [f"Question {i}: what is {rng.randint(2, 99)} plus {rng.randint(2, 99)}?" for i in range(4)]
-    calls = [tc("calculator", expression="17*3"), tc("python", code="print(sum(range(10)))"),
-             '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',  # malformed
-             "```python\nprint(1)\n```"]
+    calls = [
+        tc("calculator", expression="17*3"),
+        tc("python", code="print(sum(range(10)))"),
+        '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',  # malformed
+        "```python\nprint(1)\n```",
+    ]
     first = {q: rng.choice(calls[:3]) for q in questions[:3]}  # the 4th question: real sampling only
-    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=40, response_length=240,
-                        temperature=temperature, max_tool_response_length=32)
+    cfg = EpisodeConfig(
+        max_assistant_turns=3,
+        max_tokens_per_turn=40,
+        response_length=240,
+        temperature=temperature,
+        max_tool_response_length=32,
+    )
     env = AgentEnv(tiny_tokenizer, real_tools, cfg)
     base = HFEngine(tiny_model_dir, tokenizer=tiny_tokenizer, seed=seed, stop_at_eos=False)
     eng = FirstTurnScripted(base, tiny_tokenizer, first)
     try:
-        batch = rollout(eng, env, [{"prompt": q, "ground_truth": "1"} for q in questions], n=2,
-                        seed=seed, progress=False)
+        batch = rollout(
+            eng, env, [{"prompt": q, "ground_truth": "1"} for q in questions], n=2, seed=seed, progress=False
+        )
     finally:
         run_sync(base.close())
     trajs = batch.trajectories
@@ -207,41 +239,43 @@ def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, 
     for t in trajs:
         assert t.template_mismatch is None, t.template_mismatch
         for turn in t.turns:
-            context = tuple(t.prompt_ids + t.response_ids[:turn.start])
-            sampled = t.response_ids[turn.start:turn.end]
-            assert t.response_mask[turn.start:turn.end] == [1] * len(sampled)
+            context = tuple(t.prompt_ids + t.response_ids[: turn.start])
+            sampled = t.response_ids[turn.start : turn.end]
+            assert t.response_mask[turn.start : turn.end] == [1] * len(sampled)
             if context in real:  # sampled by the real model: exactly its ids and log-probs
-                got = (sampled, t.rollout_logprobs[turn.start:turn.end])
+                got = (sampled, t.rollout_logprobs[turn.start : turn.end])
                 assert got in [(o.token_ids, o.logprobs) for o in real[context]]
                 n_checked += 1
             if turn.obs_end > turn.obs_start:
-                before = tiny_tokenizer.decode(t.prompt_ids + t.response_ids[:turn.obs_start])
+                before = tiny_tokenizer.decode(t.prompt_ids + t.response_ids[: turn.obs_start])
                 k = [i for i, m in enumerate(t.messages) if m["role"] == "assistant"][turn.index] + 1
                 while k < len(t.messages) and t.messages[k]["role"] == "tool":
                     k += 1
-                rendered = tiny_tokenizer.apply_chat_template(t.messages[:k], tools=env._tool_schemas,
-                                                              add_generation_prompt=True, tokenize=False)
+                rendered = tiny_tokenizer.apply_chat_template(
+                    t.messages[:k], tools=env._tool_schemas, add_generation_prompt=True, tokenize=False
+                )
                 assert rendered.startswith(before)
-                assert tiny_tokenizer.decode(t.response_ids[turn.obs_start:turn.obs_end]) == rendered[len(before):]
-                assert set(t.response_mask[turn.obs_start:turn.obs_end]) == {0}
+                assert tiny_tokenizer.decode(t.response_ids[turn.obs_start : turn.obs_end]) == rendered[len(before) :]
+                assert set(t.response_mask[turn.obs_start : turn.obs_end]) == {0}
         final = tiny_tokenizer.apply_chat_template(t.messages, tools=env._tool_schemas, tokenize=False)
         stream = tiny_tokenizer.decode(t.prompt_ids + t.response_ids)
         assert final.startswith(stream)
-        assert final[len(stream):] in ("\n", "<|im_end|>\n")  # sampled stop token, or a cut turn
+        assert final[len(stream) :] in ("\n", "<|im_end|>\n")  # sampled stop token, or a cut turn
     assert n_checked >= len(trajs)
     # log-probs recomputed over the collated batch, as the trainer does
     with torch.no_grad():
-        logits = tiny_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            position_ids=batch["position_ids"]).logits.float()
+        logits = tiny_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits.float()
     P = batch["prompts"].shape[1]
-    lp = torch.log_softmax(logits[:, P - 1:-1] / temperature, dim=-1)
+    lp = torch.log_softmax(logits[:, P - 1 : -1] / temperature, dim=-1)
     recomputed = lp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     mask = batch["response_mask"].bool()
     real_positions = torch.zeros_like(mask)
     for i, t in enumerate(trajs):
         for turn in t.turns:
-            if tuple(t.prompt_ids + t.response_ids[:turn.start]) in real:
-                real_positions[i, turn.start:turn.end] = True
+            if tuple(t.prompt_ids + t.response_ids[: turn.start]) in real:
+                real_positions[i, turn.start : turn.end] = True
     sel = mask & real_positions
     assert sel.sum() > 100
     err = (recomputed[sel] - batch["rollout_log_probs"][sel]).abs().max().item()

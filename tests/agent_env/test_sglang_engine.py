@@ -71,27 +71,38 @@ def test_construction_without_sglang_raises_the_missing_extra_error() -> None:
 
 
 def test_request_carries_ids_logprobs_and_contract_flags() -> None:
-    params = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=20, stop=["</tool_call>"],
-                            stop_token_ids=[151645], seed=3)
+    params = SamplingParams(
+        max_tokens=7, temperature=0.7, top_p=0.9, top_k=20, stop=["</tool_call>"], stop_token_ids=[151645], seed=3
+    )
     req = build_sglang_request([1, 2, 3], params)
     assert req["input_ids"] == [1, 2, 3]
     assert req["return_logprob"] is True
     assert req["logprob_start_len"] == -1
     sp = req["sampling_params"]
     assert sp == {
-        "max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "no_stop_trim": True,
-        "skip_special_tokens": False, "stop": ["</tool_call>"], "stop_token_ids": [151645], "sampling_seed": 3,
+        "max_new_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "stop": ["</tool_call>"],
+        "stop_token_ids": [151645],
+        "sampling_seed": 3,
     }
     # Nothing optional leaks in when unset.
     plain = build_sglang_request([5], SamplingParams())["sampling_params"]
     assert "stop" not in plain and "stop_token_ids" not in plain and "sampling_seed" not in plain
 
 
-@pytest.mark.parametrize("ids,params,match", [
-    ([], SamplingParams(), "prompt_ids is empty"),
-    ([1], SamplingParams(max_tokens=0), "max_tokens"),
-    ([1], SamplingParams(temperature=-1.0), "temperature"),
-])
+@pytest.mark.parametrize(
+    "ids,params,match",
+    [
+        ([], SamplingParams(), "prompt_ids is empty"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1], SamplingParams(temperature=-1.0), "temperature"),
+    ],
+)
 def test_request_rejects_bad_input(ids: list[int], params: SamplingParams, match: str) -> None:
     with pytest.raises(EngineError, match=match):
         build_sglang_request(ids, params)
@@ -119,13 +130,20 @@ def test_parse_rejects_inconsistent_or_incomplete_outputs() -> None:
     with pytest.raises(EngineError, match="finish_reason"):
         parse_sglang_output({"meta_info": {"finish_reason": {"type": "weird"}, "output_token_logprobs": []}})
     with pytest.raises(EngineError, match="no log-prob"):
-        parse_sglang_output({"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[None, 3, None]]}})
+        parse_sglang_output(
+            {"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[None, 3, None]]}}
+        )
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.tuples(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32),
-                       st.integers(min_value=0, max_value=200_000)), max_size=40),
+    st.lists(
+        st.tuples(
+            st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32),
+            st.integers(min_value=0, max_value=200_000),
+        ),
+        max_size=40,
+    ),
     st.sampled_from(["stop", "length", "abort"]),
     st.booleans(),
 )

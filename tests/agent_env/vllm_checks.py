@@ -65,16 +65,26 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     res: dict[str, Any] = {"temperature": TEMPERATURE}
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
 
     def chat_ids(text: str) -> list[int]:
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
-    prompts = [chat_ids(q) for q in (
-        "What is 2+3?", "Compute 17 * 23 with the calculator.", "Ava has 12 apples and gives 5 away. How many are left?",
-        "Solve x^2 = 49.", "print(sum(range(10)))", "The capital of France is", "Write 3 words.", "Hi",
-    )]
+    prompts = [
+        chat_ids(q)
+        for q in (
+            "What is 2+3?",
+            "Compute 17 * 23 with the calculator.",
+            "Ava has 12 apples and gives 5 away. How many are left?",
+            "Solve x^2 = 49.",
+            "print(sum(range(10)))",
+            "The capital of France is",
+            "Write 3 words.",
+            "Hi",
+        )
+    ]
 
     t0 = time.perf_counter()
     import vllm  # noqa: F401 - timed separately from the engine start
@@ -110,33 +120,49 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     a = await engine.generate(prompts[1], base_sp)
     b = await engine.generate(prompts[1], base_sp)
     c = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=8))
-    res["seed"] = {"same_equal": a.token_ids == b.token_ids, "different_equal": a.token_ids == c.token_ids,
-                   "reference_ids": a.token_ids}
+    res["seed"] = {
+        "same_equal": a.token_ids == b.token_ids,
+        "different_equal": a.token_ids == c.token_ids,
+        "reference_ids": a.token_ids,
+    }
 
     # 3. Stop token id: the k-th sampled token of the seeded run becomes a stop token.
     ref = a.token_ids
     k = 5
     stop_tok = ref[k]
     first = ref.index(stop_tok)
-    st = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop_token_ids=[stop_tok]))
-    res["stop_token"] = {"ids": st.token_ids, "expected": ref[: first + 1], "finish": st.finish_reason,
-                         "max_logprob_diff": max_diff(st.logprobs, hf_logprobs(hf, prompts[1], st.token_ids, TEMPERATURE))}
+    st = await engine.generate(
+        prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop_token_ids=[stop_tok])
+    )
+    res["stop_token"] = {
+        "ids": st.token_ids,
+        "expected": ref[: first + 1],
+        "finish": st.finish_reason,
+        "max_logprob_diff": max_diff(st.logprobs, hf_logprobs(hf, prompts[1], st.token_ids, TEMPERATURE)),
+    }
 
     # 4. Stop string: a piece of the seeded run's text (ending inside the run) becomes a stop string.
     text = tok.decode(ref, skip_special_tokens=False)
     prefix_text = tok.decode(ref[:10], skip_special_tokens=False)
     stop_str = prefix_text[-3:] if len(prefix_text.strip()) >= 3 else text[:3]
-    ss = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop=[stop_str]))
+    ss = await engine.generate(
+        prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop=[stop_str])
+    )
     ss_text = tok.decode(ss.token_ids, skip_special_tokens=False)
     res["stop_string"] = {
-        "stop": stop_str, "ids": ss.token_ids, "reference_ids": ref, "finish": ss.finish_reason,
+        "stop": stop_str,
+        "ids": ss.token_ids,
+        "reference_ids": ref,
+        "finish": ss.finish_reason,
         "text_contains_stop": stop_str in ss_text,
         # the run stops at the first token whose text completes the stop string
         "stops_at_first_occurrence": stop_str not in tok.decode(ss.token_ids[:-1], skip_special_tokens=False),
     }
 
     # 5. Length: max_tokens reached, no stop (ignore EOS by construction: we only count).
-    ln = await engine.generate(prompts[2], SamplingParams(max_tokens=7, temperature=TEMPERATURE, seed=3, stop_token_ids=[]))
+    ln = await engine.generate(
+        prompts[2], SamplingParams(max_tokens=7, temperature=TEMPERATURE, seed=3, stop_token_ids=[])
+    )
     res["length"] = {"n": len(ln.token_ids), "finish": ln.finish_reason}
 
     # 6. Bad input gives a clear error, loses nothing (the engine keeps working after).
@@ -171,10 +197,19 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     after_hf_new = hf_logprobs(hf, long_prompt, after.token_ids, TEMPERATURE)
     res["after_update_diff_new"] = max_diff(after.logprobs, after_hf_new)
     hf_old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    res["after_update_diff_old"] = max_diff(after.logprobs, hf_logprobs(hf_old, long_prompt, after.token_ids, TEMPERATURE))
+    res["after_update_diff_old"] = max_diff(
+        after.logprobs, hf_logprobs(hf_old, long_prompt, after.token_ids, TEMPERATURE)
+    )
     # also a short, fresh prompt and concurrency after the update
-    outs2 = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=24, temperature=TEMPERATURE, seed=40 + i)) for i, p in enumerate(prompts[:4])])
-    res["after_update_concurrent_diff"] = max(max_diff(o.logprobs, hf_logprobs(hf, p, o.token_ids, TEMPERATURE)) for p, o in zip(prompts, outs2))
+    outs2 = await asyncio.gather(
+        *[
+            engine.generate(p, SamplingParams(max_tokens=24, temperature=TEMPERATURE, seed=40 + i))
+            for i, p in enumerate(prompts[:4])
+        ]
+    )
+    res["after_update_concurrent_diff"] = max(
+        max_diff(o.logprobs, hf_logprobs(hf, p, o.token_ids, TEMPERATURE)) for p, o in zip(prompts, outs2)
+    )
 
     # A second update through the iterable form (pairs), HF state dict with tied lm_head included.
     new2 = perturbed_state(hf_old, 0.5, seed=2)
@@ -203,19 +238,25 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     # 7c. An update issued while requests run waits for them (they finish on the old weights);
     # a request issued after it runs on the new weights. hf holds new2, like the engine.
     new5 = perturbed_state(hf_old, 0.5, seed=5)
-    old_tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=60 + i)))
-                 for i, p in enumerate(prompts[:4])]
+    old_tasks = [
+        asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=60 + i)))
+        for i, p in enumerate(prompts[:4])
+    ]
     upd = asyncio.create_task(engine.update_weights(new5))
     new_task = asyncio.create_task(engine.generate(long_prompt, sp_long))
     old_outs = await asyncio.gather(*old_tasks)
     await upd
     new_out = await new_task
-    res["drain_old_diff"] = max(max_diff(o.logprobs, hf_logprobs(hf, p, o.token_ids, TEMPERATURE)) for p, o in zip(prompts, old_outs))
+    res["drain_old_diff"] = max(
+        max_diff(o.logprobs, hf_logprobs(hf, p, o.token_ids, TEMPERATURE)) for p, o in zip(prompts, old_outs)
+    )
     hf.load_state_dict(new5)
     res["drain_new_diff"] = max_diff(new_out.logprobs, hf_logprobs(hf, long_prompt, new_out.token_ids, TEMPERATURE))
 
     # 7d. Cancelling an awaiting episode aborts its request; the engine keeps serving.
-    long_task = asyncio.create_task(engine.generate(prompts[0], SamplingParams(max_tokens=1500, temperature=TEMPERATURE, seed=9, stop_token_ids=[])))
+    long_task = asyncio.create_task(
+        engine.generate(prompts[0], SamplingParams(max_tokens=1500, temperature=TEMPERATURE, seed=9, stop_token_ids=[]))
+    )
     await asyncio.sleep(0.5)
     long_task.cancel()
     try:
@@ -225,7 +266,9 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
         res["cancelled"] = True
     after_cancel = await engine.generate(prompts[0], SamplingParams(max_tokens=8, temperature=TEMPERATURE, seed=10))
     res["after_cancel_tokens"] = len(after_cancel.token_ids)
-    res["unfinished_after_cancel"] = await engine._call(lambda: engine._engine.get_num_unfinished_requests(), drain=False)
+    res["unfinished_after_cancel"] = await engine._call(
+        lambda: engine._engine.get_num_unfinished_requests(), drain=False
+    )
     res["pending_after_cancel"] = len(engine._pending)
 
     # 8. Sensitivity: the same update WITHOUT the prefix-cache reset must give stale log-probs,
@@ -261,8 +304,12 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     if bench:
         res["bench"] = await benchmark(engine, hf, tok, prompts)
 
-    res["stats"] = {"steps": engine.stats.steps, "requests": engine.stats.requests,
-                    "generated_tokens": engine.stats.generated_tokens, "weight_updates": engine.stats.weight_updates}
+    res["stats"] = {
+        "steps": engine.stats.steps,
+        "requests": engine.stats.requests,
+        "generated_tokens": engine.stats.generated_tokens,
+        "weight_updates": engine.stats.weight_updates,
+    }
     await engine.close()
     try:
         await engine.generate(prompts[0], SamplingParams(max_tokens=2))
@@ -295,7 +342,9 @@ class _FirstTurnScripted:
         if text.count("<|im_start|>assistant") == 1:
             for key, turn in self.first_turns.items():
                 if key in text:
-                    ids = self.tok.encode(turn, add_special_tokens=False) + [self.tok.convert_tokens_to_ids("<|im_end|>")]
+                    ids = self.tok.encode(turn, add_special_tokens=False) + [
+                        self.tok.convert_tokens_to_ids("<|im_end|>")
+                    ]
                     return GenerationOutput(ids, [0.0] * len(ids), "stop")
         out = await self.engine.generate(prompt_ids, params)
         self.real.setdefault(tuple(prompt_ids), []).append(out)
@@ -321,66 +370,93 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
     from agent_env.rollout import rollout_async
 
     questions = [f"Question {i}: what is {3 * i + 2} plus {7 * i + 5}?" for i in range(4)]
-    first = {questions[0]: _tc("calculator", expression="17*3"),
-             questions[1]: _tc("python", code="print(sum(range(10)))"),
-             questions[2]: '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'}
-    cfg = EpisodeConfig(max_assistant_turns=3, max_tokens_per_turn=40, response_length=240,
-                        temperature=TEMPERATURE, max_tool_response_length=32)
+    first = {
+        questions[0]: _tc("calculator", expression="17*3"),
+        questions[1]: _tc("python", code="print(sum(range(10)))"),
+        questions[2]: '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',
+    }
+    cfg = EpisodeConfig(
+        max_assistant_turns=3,
+        max_tokens_per_turn=40,
+        response_length=240,
+        temperature=TEMPERATURE,
+        max_tool_response_length=32,
+    )
     real_tools = {"python": tools.get_tool("python"), "calculator": tools.get_tool("calculator")}
     env = AgentEnv(tok, real_tools, cfg)
     eng = _FirstTurnScripted(engine, tok, first)
     try:
-        batch = await rollout_async(eng, env, [{"prompt": q, "ground_truth": "1"} for q in questions], n=2,
-                                    seed=0, progress=False)
+        batch = await rollout_async(
+            eng, env, [{"prompt": q, "ground_truth": "1"} for q in questions], n=2, seed=0, progress=False
+        )
     finally:
         for t in real_tools.values():
             await t.close()
     trajs = batch.trajectories
-    res: dict[str, Any] = {"n": len(trajs), "multi_turn": sum(t.num_turns >= 2 for t in trajs),
-                           "tool_calls": sum(t.num_tool_calls for t in trajs), "finish": [t.finish_reason for t in trajs]}
+    res: dict[str, Any] = {
+        "n": len(trajs),
+        "multi_turn": sum(t.num_turns >= 2 for t in trajs),
+        "tool_calls": sum(t.num_tool_calls for t in trajs),
+        "finish": [t.finish_reason for t in trajs],
+    }
     real_turns = ids_equal = mask0_ok = mask0_spans = 0
     stream_ok = 0
     for t in trajs:
         for turn in t.turns:
-            context = tuple(t.prompt_ids + t.response_ids[:turn.start])
-            sampled = t.response_ids[turn.start:turn.end]
+            context = tuple(t.prompt_ids + t.response_ids[: turn.start])
+            sampled = t.response_ids[turn.start : turn.end]
             if context in eng.real:
                 real_turns += 1
-                got = (sampled, t.rollout_logprobs[turn.start:turn.end])
-                ids_equal += int(got in [(o.token_ids, o.logprobs) for o in eng.real[context]]
-                                 and t.response_mask[turn.start:turn.end] == [1] * len(sampled))
+                got = (sampled, t.rollout_logprobs[turn.start : turn.end])
+                ids_equal += int(
+                    got in [(o.token_ids, o.logprobs) for o in eng.real[context]]
+                    and t.response_mask[turn.start : turn.end] == [1] * len(sampled)
+                )
             if turn.obs_end > turn.obs_start:
                 mask0_spans += 1
-                before = tok.decode(t.prompt_ids + t.response_ids[:turn.obs_start])
+                before = tok.decode(t.prompt_ids + t.response_ids[: turn.obs_start])
                 k = [i for i, m in enumerate(t.messages) if m["role"] == "assistant"][turn.index] + 1
                 while k < len(t.messages) and t.messages[k]["role"] == "tool":
                     k += 1
-                rendered = tok.apply_chat_template(t.messages[:k], tools=env._tool_schemas, add_generation_prompt=True,
-                                                   tokenize=False)
-                mask0_ok += int(rendered.startswith(before)
-                                and tok.decode(t.response_ids[turn.obs_start:turn.obs_end]) == rendered[len(before):]
-                                and set(t.response_mask[turn.obs_start:turn.obs_end]) == {0})
+                rendered = tok.apply_chat_template(
+                    t.messages[:k], tools=env._tool_schemas, add_generation_prompt=True, tokenize=False
+                )
+                mask0_ok += int(
+                    rendered.startswith(before)
+                    and tok.decode(t.response_ids[turn.obs_start : turn.obs_end]) == rendered[len(before) :]
+                    and set(t.response_mask[turn.obs_start : turn.obs_end]) == {0}
+                )
         final = tok.apply_chat_template(t.messages, tools=env._tool_schemas, tokenize=False)
         stream = tok.decode(t.prompt_ids + t.response_ids)
-        stream_ok += int(final.startswith(stream) and final[len(stream):] in ("\n", "<|im_end|>\n"))
-    res.update({"real_turns": real_turns, "real_turns_exact": ids_equal, "mask0_spans": mask0_spans,
-                "mask0_spans_exact": mask0_ok, "stream_equals_template": stream_ok})
+        stream_ok += int(final.startswith(stream) and final[len(stream) :] in ("\n", "<|im_end|>\n"))
+    res.update(
+        {
+            "real_turns": real_turns,
+            "real_turns_exact": ids_equal,
+            "mask0_spans": mask0_spans,
+            "mask0_spans_exact": mask0_ok,
+            "stream_equals_template": stream_ok,
+        }
+    )
     # log-probs recomputed over the collated batch (left-padded prompts, masks, position ids)
     with torch.no_grad():
-        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"]).logits.float()
+        logits = hf(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits.float()
     P = batch["prompts"].shape[1]
-    lp = torch.log_softmax(logits[:, P - 1:-1] / TEMPERATURE, dim=-1)
+    lp = torch.log_softmax(logits[:, P - 1 : -1] / TEMPERATURE, dim=-1)
     recomputed = lp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     mask = batch["response_mask"].bool()
     real_pos = torch.zeros_like(mask)
     for i, t in enumerate(trajs):
         for turn in t.turns:
-            if tuple(t.prompt_ids + t.response_ids[:turn.start]) in eng.real:
-                real_pos[i, turn.start:turn.end] = True
+            if tuple(t.prompt_ids + t.response_ids[: turn.start]) in eng.real:
+                real_pos[i, turn.start : turn.end] = True
     sel = mask & real_pos
     res["real_positions"] = int(sel.sum())
-    res["max_logprob_diff_vs_hf_batch"] = float((recomputed[sel] - batch["rollout_log_probs"][sel]).abs().max()) if sel.any() else None
+    res["max_logprob_diff_vs_hf_batch"] = (
+        float((recomputed[sel] - batch["rollout_log_probs"][sel]).abs().max()) if sel.any() else None
+    )
     res["nonpolicy_logprobs_zero"] = bool(torch.all(batch["rollout_log_probs"][~mask] == 0))
     return res
 
@@ -395,8 +471,12 @@ async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) ->
     batch = [prompts[i % len(prompts)] for i in range(16)]
 
     async def vllm_run() -> int:
-        outs = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=n_tokens, temperature=1.0, seed=i, stop_token_ids=[]))
-                                      for i, p in enumerate(batch)])
+        outs = await asyncio.gather(
+            *[
+                engine.generate(p, SamplingParams(max_tokens=n_tokens, temperature=1.0, seed=i, stop_token_ids=[]))
+                for i, p in enumerate(batch)
+            ]
+        )
         return sum(len(o.token_ids) for o in outs)
 
     async def timed(run: Any) -> tuple[int, float]:
@@ -406,8 +486,13 @@ async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) ->
         return n, time.perf_counter() - t0
 
     v_tokens, v_s = await timed(vllm_run)
-    result: dict[str, Any] = {"batch": len(batch), "max_tokens": n_tokens, "vllm_tokens": v_tokens, "vllm_s": v_s,
-                              "vllm_tok_per_s": v_tokens / v_s}
+    result: dict[str, Any] = {
+        "batch": len(batch),
+        "max_tokens": n_tokens,
+        "vllm_tokens": v_tokens,
+        "vllm_s": v_s,
+        "vllm_tok_per_s": v_tokens / v_s,
+    }
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
 
     async def generate_run() -> int:
@@ -415,20 +500,35 @@ async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) ->
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n_tokens, min_new_tokens=n_tokens,
-                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                max_new_tokens=n_tokens,
+                min_new_tokens=n_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad,
+            )
         return int((out.shape[1] - width) * out.shape[0])
 
     g_tokens, g_s = await timed(generate_run)
-    result.update({"hf_generate_tok_per_s": g_tokens / g_s, "vllm_over_hf_generate": (v_tokens / v_s) / (g_tokens / g_s)})
+    result.update(
+        {"hf_generate_tok_per_s": g_tokens / g_s, "vllm_over_hf_generate": (v_tokens / v_s) / (g_tokens / g_s)}
+    )
     try:
         from agent_env.engines import HFEngine
 
         hf_engine = HFEngine(hf, tok, stop_at_eos=False)
 
         async def hfengine_run() -> int:
-            outs = await asyncio.gather(*[hf_engine.generate(p, SamplingParams(max_tokens=n_tokens, temperature=1.0, seed=i))
-                                          for i, p in enumerate(batch)])
+            outs = await asyncio.gather(
+                *[
+                    hf_engine.generate(p, SamplingParams(max_tokens=n_tokens, temperature=1.0, seed=i))
+                    for i, p in enumerate(batch)
+                ]
+            )
             return sum(len(o.token_ids) for o in outs)
 
         e_tokens, e_s = await timed(hfengine_run)

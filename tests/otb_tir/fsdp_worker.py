@@ -17,7 +17,6 @@ import signal
 import sys
 
 
-
 def parity_reward(text, ground_truth, traj):
     """100 × the share of odd token ids among the policy's tokens: varies between the samples of a
     random policy at every step; large, so that gradients sit far above Adam's eps (1e-8)."""

@@ -44,7 +44,11 @@ def batches(draw, dense_rewards: bool = True):
     tie_longest = draw(st.booleans())
     empty_rate = draw(st.sampled_from([0.0, 0.15, 0.5]))
     tool_spans = draw(st.integers(0, 3))
-    reward_mode = draw(st.sampled_from(["last_policy", "last_token", "random_tokens"] if dense_rewards else ["last_policy", "last_token"]))
+    reward_mode = draw(
+        st.sampled_from(
+            ["last_policy", "last_token", "random_tokens"] if dense_rewards else ["last_policy", "last_token"]
+        )
+    )
     rng = np.random.default_rng(seed)
 
     blocks = draw(st.booleans())  # verl's layout: equal groups of adjacent rows (the estimators' fast path)
@@ -202,7 +206,9 @@ def test_bfloat16_is_more_accurate_than_verl_in_bfloat16(verl_algos):
     assert adv64.dtype == torch.float64
 
 
-@pytest.mark.parametrize("ours,verl_name", [(grpo, "compute_grpo_outcome_advantage"), (rloo, "compute_rloo_outcome_advantage")])
+@pytest.mark.parametrize(
+    "ours,verl_name", [(grpo, "compute_grpo_outcome_advantage"), (rloo, "compute_rloo_outcome_advantage")]
+)
 @settings(deadline=None, max_examples=80, suppress_health_check=[HealthCheck.too_slow])
 @given(data=batches(), norm=st.booleans())
 def test_grpo_rloo_equal_verl(verl_algos, ours, verl_name, data, norm):
@@ -229,7 +235,10 @@ def test_tir_is_dense_otb_on_packed_rows(data, use_is, handle_zero_tail):
     keep = data["response_mask"].sum(-1) > 0
     if not bool(keep.any()):
         return
-    data = {k: (v[keep] if isinstance(v, torch.Tensor) else (v[keep.numpy()] if v is not None else None)) for k, v in data.items()}
+    data = {
+        k: (v[keep] if isinstance(v, torch.Tensor) else (v[keep.numpy()] if v is not None else None))
+        for k, v in data.items()
+    }
     mask = data["response_mask"]
     adv, _ = tir_optimal_token_baseline(**data, handle_zero_tail=handle_zero_tail)
     packed = {}
@@ -279,7 +288,7 @@ def test_inputs_are_not_modified():
     for name in list_estimators():
         get_estimator(name)(**data)
         for k, v in data.items():
-            assert (torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else (v == before[k]).all()), (name, k)
+            assert torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else (v == before[k]).all(), (name, k)
 
 
 # --------------------------------------------------------------------------------------------

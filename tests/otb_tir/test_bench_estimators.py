@@ -47,12 +47,14 @@ def _batch(seed: int = 0, groups: int = 4, n: int = 4, resp: int = 24, with_is: 
     rewards[:n, :] = 0.0  # one group with equal rewards (no signal)
     pi = torch.rand(b, resp, generator=gen) * 0.9 + 0.05
     inputs = {
-        "token_level_rewards": rewards, "response_mask": mask,
+        "token_level_rewards": rewards,
+        "response_mask": mask,
         "index": np.array([f"g{i // n}" for i in range(b)], dtype=object),
         "old_log_probs": pi.log() * mask,
         "sum_pi_squared": (pi.square() + torch.rand(b, resp, generator=gen) * (1 - pi.square())) * mask,
         "rollout_is_weights": (torch.rand(b, resp, generator=gen) * 1.5 + 0.25) * mask if with_is else None,
-        "handle_zero_tail": True, "norm_adv_by_std_in_grpo": True,
+        "handle_zero_tail": True,
+        "norm_adv_by_std_in_grpo": True,
     }
     return inputs
 
@@ -60,9 +62,15 @@ def _batch(seed: int = 0, groups: int = 4, n: int = 4, resp: int = 24, with_is: 
 def _verl_advantages(name: str, inp: dict) -> torch.Tensor:
     from verl.trainer.ppo import core_algos as ca
 
-    common = dict(token_level_rewards=inp["token_level_rewards"], response_mask=inp["response_mask"], index=inp["index"])
-    otb = dict(old_log_probs=inp["old_log_probs"], sum_pi_squared=inp["sum_pi_squared"],
-               rollout_is_weights=inp["rollout_is_weights"], handle_zero_tail=True)
+    common = dict(
+        token_level_rewards=inp["token_level_rewards"], response_mask=inp["response_mask"], index=inp["index"]
+    )
+    otb = dict(
+        old_log_probs=inp["old_log_probs"],
+        sum_pi_squared=inp["sum_pi_squared"],
+        rollout_is_weights=inp["rollout_is_weights"],
+        handle_zero_tail=True,
+    )
     if name == "tir_optimal_token_baseline":
         return ca.compute_multi_turn_optimal_token_baseline_advantage(**common, **otb)[0]
     if name == "optimal_token_baseline":
@@ -97,8 +105,12 @@ def test_paired_proxies_equal_verls_on_each_estimators_own_advantages(bench, wit
     for name in bench.PAIRED:
         adv = _verl_advantages(name, inp).float() * loss_mask
         gnorm = float(adv.abs().sum()) / 100
-        tensors = {"advantages": adv, "response_mask": loss_mask, "old_log_probs": inp["old_log_probs"],
-                   "sum_pi_squared": inp["sum_pi_squared"]}
+        tensors = {
+            "advantages": adv,
+            "response_mask": loss_mask,
+            "old_log_probs": inp["old_log_probs"],
+            "sum_pi_squared": inp["sum_pi_squared"],
+        }
         if with_is:
             tensors["rollout_is_weights"] = inp["rollout_is_weights"]
         ref = compute_variance_proxy_metrics(DataProto.from_dict(tensors=tensors), gradient_norm=gnorm)
@@ -133,8 +145,13 @@ def test_policy_gradient_norm_is_the_true_gradient_and_leaves_weights(bench, tin
     response_mask = torch.ones(b, r)
     response_mask[1, 6:] = 0.0
     response_mask[2, 2:4] = 0.0  # a tool span
-    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-               "responses": input_ids[:, p:], "response_mask": response_mask}
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": input_ids[:, p:],
+        "response_mask": response_mask,
+    }
     settings = ActorSettings(micro_batch_size=4, grad_clip=0.5, kl_coef=0.1, entropy_coef=0.01)
     tensors["old_log_probs"] = compute_old_stats(model, tensors, settings)["old_log_probs"]
     adv = torch.randn(b, r) * response_mask

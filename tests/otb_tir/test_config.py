@@ -45,7 +45,6 @@ def test_missing_file_and_bad_yaml_key(tmp_path):
 
 
 def test_shipped_configs_are_valid():
-    from pathlib import Path
 
     from otb_tir.configs import CONFIG_DIR
 
@@ -72,8 +71,9 @@ def test_configuration_reference_is_current_and_lists_every_key():
     from otb_tir.trainer.config import Config
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(root / "scripts/gen_config_reference.py"), "--check"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts/gen_config_reference.py"), "--check"], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     page = (root / "docs/configuration.md").read_text()
 

@@ -63,8 +63,9 @@ def test_pass_at_k_edges_and_stability():
 
 
 def _record(res, name="python", args=None) -> ToolCallRecord:
-    return ToolCallRecord(name=name, arguments=args or {}, raw="", text=res.text, ok=res.ok, error=res.error,
-                          executed=True)
+    return ToolCallRecord(
+        name=name, arguments=args or {}, raw="", text=res.text, ok=res.ok, error=res.error, executed=True
+    )
 
 
 def test_error_kinds_on_real_sandbox_results():
@@ -104,13 +105,20 @@ def test_error_kinds_on_real_sandbox_results():
 
 def test_error_kinds_from_episode_records():
     # what the episode writes for calls that never reach a tool
-    assert classify_call(ToolCallRecord("python", {}, "", text="Error: ...", error="malformed_call")) == "malformed_call"
-    assert classify_call(ToolCallRecord("foo", {}, "", text="Error: unknown tool 'foo'", error="unknown_tool")) == "unknown_tool"
+    assert (
+        classify_call(ToolCallRecord("python", {}, "", text="Error: ...", error="malformed_call")) == "malformed_call"
+    )
+    assert (
+        classify_call(ToolCallRecord("foo", {}, "", text="Error: unknown tool 'foo'", error="unknown_tool"))
+        == "unknown_tool"
+    )
     # the last allowed turn still called a tool: parsed, not run
     assert classify_call(ToolCallRecord("python", {"code": "1"}, "", executed=False)) == "not_executed"
     # a tool that reports failure without a kind: read the traceback
-    assert classify_call(ToolCallRecord("x", {}, "", text="Traceback...\nIndentationError: bad", ok=False,
-                                        executed=True)) == "syntax_error"
+    assert (
+        classify_call(ToolCallRecord("x", {}, "", text="Traceback...\nIndentationError: bad", ok=False, executed=True))
+        == "syntax_error"
+    )
     assert classify_call(ToolCallRecord("x", {}, "", text="boom", ok=False, executed=True)) == "other"
     assert classify_call(ToolCallRecord("x", {}, "", text="fine", ok=True, executed=True)) is None
 
@@ -123,16 +131,41 @@ def _call(name="python", ok=True, error=None, executed=True) -> ToolCallRecord:
 
 
 def _traj(uid, correct, turns_calls, mask, finish="answer", void=(), sample=0) -> Trajectory:
-    turns = [TurnRecord(index=i, start=0, end=0, obs_start=0, obs_end=0, text="", engine_finish_reason="stop",
-                        tool_calls=list(calls), void=i in void) for i, calls in enumerate(turns_calls)]
+    turns = [
+        TurnRecord(
+            index=i,
+            start=0,
+            end=0,
+            obs_start=0,
+            obs_end=0,
+            text="",
+            engine_finish_reason="stop",
+            tool_calls=list(calls),
+            void=i in void,
+        )
+        for i, calls in enumerate(turns_calls)
+    ]
     calls = [c for tr in turns for c in tr.tool_calls]
-    return Trajectory(uid=uid, prompt_ids=[1, 2], response_ids=list(range(len(mask))), response_mask=list(mask),
-                      rollout_logprobs=[0.0] * len(mask), turns=turns, messages=[], reward=float(correct),
-                      reward_details={"correct": correct}, finish_reason=finish, num_turns=len(turns),
-                      void_turns=len(void), malformed_calls=sum(c.error in ("malformed_call", "unknown_tool",
-                                                                             "bad_arguments") for c in calls),
-                      num_tool_calls=len(calls), tool_errors=sum(c.executed and not c.ok for c in calls),
-                      template_mismatch=None, timings={}, sample_index=sample)
+    return Trajectory(
+        uid=uid,
+        prompt_ids=[1, 2],
+        response_ids=list(range(len(mask))),
+        response_mask=list(mask),
+        rollout_logprobs=[0.0] * len(mask),
+        turns=turns,
+        messages=[],
+        reward=float(correct),
+        reward_details={"correct": correct},
+        finish_reason=finish,
+        num_turns=len(turns),
+        void_turns=len(void),
+        malformed_calls=sum(c.error in ("malformed_call", "unknown_tool", "bad_arguments") for c in calls),
+        num_tool_calls=len(calls),
+        tool_errors=sum(c.executed and not c.ok for c in calls),
+        template_mismatch=None,
+        timings={},
+        sample_index=sample,
+    )
 
 
 def test_figures_on_hand_built_trajectories():
@@ -142,9 +175,17 @@ def test_figures_on_hand_built_trajectories():
         _traj("a", True, [[_call(ok=False, error="syntax_error"), _call("calculator")], []], [1, 0, 0, 0, 1, 1]),
         _traj("a", False, [[]], [1, 1, 1], finish="void_turn", void=(0,)),
         # problem b: 0 of 3 correct
-        _traj("b", False, [[_call(ok=False, error="timeout")], [_call(ok=False, error="malformed_call",
-                                                                      executed=False)], [_call(executed=False, ok=False)]],
-              [1, 0, 1, 0, 1], finish="max_turns"),
+        _traj(
+            "b",
+            False,
+            [
+                [_call(ok=False, error="timeout")],
+                [_call(ok=False, error="malformed_call", executed=False)],
+                [_call(executed=False, ok=False)],
+            ],
+            [1, 0, 1, 0, 1],
+            finish="max_turns",
+        ),
         _traj("b", False, [[_call(error="output_cut")], []], [1, 0, 1, 1]),
         _traj("b", False, [[]], [1, 1], finish="length"),
     ]
@@ -164,8 +205,14 @@ def test_figures_on_hand_built_trajectories():
     assert f["tools/success_rate"] == pytest.approx(ok / (7 - 1))
     assert f["tools/executed_success_rate"] == pytest.approx(ok / 5)
     assert f["tools/by_name/python"] == 6 and f["tools/by_name/calculator"] == 1
-    assert (f["errors/syntax_error"], f["errors/timeout"], f["errors/malformed_call"], f["errors/output_cut"],
-            f["errors/runtime_error"], f["errors/unknown_tool"]) == (1, 1, 1, 1, 0, 0)
+    assert (
+        f["errors/syntax_error"],
+        f["errors/timeout"],
+        f["errors/malformed_call"],
+        f["errors/output_cut"],
+        f["errors/runtime_error"],
+        f["errors/unknown_tool"],
+    ) == (1, 1, 1, 1, 0, 0)
     assert "errors/not_executed" not in f
     assert f["errors/total"] == 3 and f["errors/timeout_per_call"] == pytest.approx(1 / 7)
     assert f["turns/mean"] == pytest.approx((2 + 2 + 1 + 3 + 2 + 1) / 6)
@@ -178,8 +225,9 @@ def test_figures_on_hand_built_trajectories():
     assert f["response/tool_token_share"] == pytest.approx(inserted / total)
     assert f["response/length_mean"] == pytest.approx(total / 6) and f["response/length_max"] == 6
     assert f["response/length_p50"] == pytest.approx(4.5)
-    assert (f["finish/answer"], f["finish/void_turn"], f["finish/max_turns"], f["finish/length"]) == \
-        pytest.approx((3 / 6, 1 / 6, 1 / 6, 1 / 6))
+    assert (f["finish/answer"], f["finish/void_turn"], f["finish/max_turns"], f["finish/length"]) == pytest.approx(
+        (3 / 6, 1 / 6, 1 / 6, 1 / 6)
+    )
     with pytest.raises(ValueError, match="k <= samples"):
         figures(trajs, pass_k=[4])
 
@@ -192,15 +240,18 @@ def test_no_calls_gives_nan_rates_not_zero():
 # ----------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["rollout.n=2", "eval.pass_k=[1,4]"], "every k must be in 1..rollout.n (2)"),
-    (["rollout.nn=2"], "did you mean 'rollout.n'"),
-    (["rollout.name=trt"], "'rollout.name' must be one of hf, vllm, sglang"),
-    (["multi_turn.format=code_block"], "eval.without_tools=false"),
-    (["verl.foo=1"], "no 'verl' section"),
-    (["data.size=-1"], "'data.size' must be >= 0"),
-    (["eval.pass_k=[]"], "at least one k"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["rollout.n=2", "eval.pass_k=[1,4]"], "every k must be in 1..rollout.n (2)"),
+        (["rollout.nn=2"], "did you mean 'rollout.n'"),
+        (["rollout.name=trt"], "'rollout.name' must be one of hf, vllm, sglang"),
+        (["multi_turn.format=code_block"], "eval.without_tools=false"),
+        (["verl.foo=1"], "no 'verl' section"),
+        (["data.size=-1"], "'data.size' must be >= 0"),
+        (["eval.pass_k=[]"], "at least one k"),
+    ],
+)
 def test_bad_config_fails_with_a_clear_error(overrides, fragment):
     with pytest.raises(ConfigError, match=None) as e:
         load_eval_config(DEFAULT_CONFIG, overrides)
@@ -272,8 +323,11 @@ class ScriptedPolicy:
             else:
                 out = f"The answer is \\boxed{{{truth}}}." if "ZeroDivisionError" not in text else "\\boxed{0}"
         else:
-            out = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
-                   if turn == 1 else "\\boxed{-1}")
+            out = (
+                '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+                if turn == 1
+                else "\\boxed{-1}"
+            )
         ids = self.tok.encode(out, add_special_tokens=False) + [self.stop]
         return GenerationOutput(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
 
@@ -292,8 +346,17 @@ def test_evaluate_on_real_episodes_and_tools(tmp_path, tiny_model_dir, tiny_toke
     items = make_split("test", 3, seed=0)
     answers = {it["extra_info"]["question"]: it["reward_model"]["ground_truth"] for it in items}
     monkeypatch.setattr(run_mod, "build_engine", lambda cfg, path, tok: ScriptedPolicy(tok, answers))
-    cfg = load_eval_config(DEFAULT_CONFIG, [f"model.path={tiny_model_dir}", "data.size=3", "rollout.n=2",
-                                            "eval.pass_k=[1,2]", f"output.dir={tmp_path}", "output.progress=false"])
+    cfg = load_eval_config(
+        DEFAULT_CONFIG,
+        [
+            f"model.path={tiny_model_dir}",
+            "data.size=3",
+            "rollout.n=2",
+            "eval.pass_k=[1,2]",
+            f"output.dir={tmp_path}",
+            "output.progress=false",
+        ],
+    )
     report = evaluate(cfg)
     w, o = report["with_tools"]["overall"], report["without_tools"]["overall"]
     # with tools: samples 0 (even seeds) hit ZeroDivisionError and answer 0; samples 1 answer right

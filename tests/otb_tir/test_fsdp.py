@@ -30,12 +30,26 @@ from otb_tir.trainer.distributed import shard_items, shard_range
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 LR = 1e-2
-SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=24",
-         "rollout.max_tokens_per_turn=12", "multi_turn.max_assistant_turns=2", "multi_turn.tools=[calculator]",
-         "multi_turn.tool_timeout=60", "data.train_size=16", "eval.size=3",
-         "trainer.loggers=[jsonl]", f"actor.optim.lr={LR}", "actor.ppo_micro_batch_size=1", "trainer.total_steps=2",
-         "trainer.save_every=1", "trainer.keep_checkpoints=3", "trainer.device=cpu",
-         "actor.grad_clip=1e9"]  # no clipping: the gradient's scale reaches the weights
+SMALL = [
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=2",
+    "rollout.response_length=24",
+    "rollout.max_tokens_per_turn=12",
+    "multi_turn.max_assistant_turns=2",
+    "multi_turn.tools=[calculator]",
+    "multi_turn.tool_timeout=60",
+    "data.train_size=16",
+    "eval.size=3",
+    "trainer.loggers=[jsonl]",
+    f"actor.optim.lr={LR}",
+    "actor.ppo_micro_batch_size=1",
+    "trainer.total_steps=2",
+    "trainer.save_every=1",
+    "trainer.keep_checkpoints=3",
+    "trainer.device=cpu",
+    "actor.grad_clip=1e9",
+]  # no clipping: the gradient's scale reaches the weights
 
 
 # ---------------------------------------------------------------------------------- unit tests
@@ -59,9 +73,13 @@ def test_shard_range_rejects_bad_rank():
 
 
 @settings(max_examples=25, deadline=None)
-@given(groups=st.integers(1, 6), n=st.integers(1, 4), world=st.sampled_from([1, 2, 3]),
-       seed=st.integers(0, 10_000), estimator=st.sampled_from(["tir_optimal_token_baseline", "optimal_token_baseline",
-                                                                "grpo", "rloo"]))
+@given(
+    groups=st.integers(1, 6),
+    n=st.integers(1, 4),
+    world=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 10_000),
+    estimator=st.sampled_from(["tir_optimal_token_baseline", "optimal_token_baseline", "grpo", "rloo"]),
+)
 def test_advantages_of_rank_blocks_equal_the_whole_batch(groups, n, world, seed, estimator):
     """Each rank's rows (whole uid groups, as the trainer splits prompts) give exactly the
     advantages the one-process batch gives those rows: group baselines never need other ranks."""
@@ -80,15 +98,22 @@ def test_advantages_of_rank_blocks_equal_the_whole_batch(groups, n, world, seed,
     uid = np.array([f"u{i // n}" for i in range(rows)], dtype=object)
     est = get_estimator(estimator)
     kw = dict(handle_zero_tail=True, norm_adv_by_std_in_grpo=True)
-    whole, _ = est(token_level_rewards=rewards, response_mask=mask, index=uid, old_log_probs=logp,
-                   sum_pi_squared=spp, **kw)
+    whole, _ = est(
+        token_level_rewards=rewards, response_mask=mask, index=uid, old_log_probs=logp, sum_pi_squared=spp, **kw
+    )
     parts = []
     for r in range(world):
         _, offset = shard_items(list(range(bs)), r, world)
         k = len(shard_items(list(range(bs)), r, world)[0])
         sl = slice(offset * n, (offset + k) * n)
-        adv, _ = est(token_level_rewards=rewards[sl], response_mask=mask[sl], index=uid[sl], old_log_probs=logp[sl],
-                     sum_pi_squared=spp[sl], **kw)
+        adv, _ = est(
+            token_level_rewards=rewards[sl],
+            response_mask=mask[sl],
+            index=uid[sl],
+            old_log_probs=logp[sl],
+            sum_pi_squared=spp[sl],
+            **kw,
+        )
         parts.append(adv)
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-6)
 
@@ -97,12 +122,12 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
     """Trainer._rollout of each rank's block (shard_items, offset) gives the uids and sampled
     tokens of a one-process rollout of the whole batch: every uid group on exactly one rank."""
     from agent_env import AgentEnv
-    from agent_env.math_task.data import make_split
     from agent_env.engines.hf import HFEngine
+    from agent_env.math_task.data import make_split
     from agent_env.rollout import run_sync
+    from otb_tir.builders import episode_config
     from otb_tir.trainer.config import load_config
     from otb_tir.trainer.run import build_optimizer
-    from otb_tir.builders import episode_config
     from otb_tir.trainer.trainer import Trainer
 
     cfg = load_config(None, SMALL + ["data.train_batch_size=4", f"trainer.output_dir={tmp_path}"])
@@ -112,8 +137,10 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
     opt, sched = build_optimizer(cfg, model)
     items = make_split("train", 4)
     world = 2
-    trainers = [Trainer(cfg, model, opt, sched, engine, env, items, items, tmp_path, rank=r, world_size=world)
-                for r in range(world)]
+    trainers = [
+        Trainer(cfg, model, opt, sched, engine, env, items, items, tmp_path, rank=r, world_size=world)
+        for r in range(world)
+    ]
     try:
         whole = trainers[0]._rollout(items, 2, seed=123)  # what one process rolls out (rank 0 of 1 would)
         blocks = []
@@ -139,8 +166,13 @@ def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
     g = torch.Generator().manual_seed(0)
     B, P, R = 4, 6, 10
     ids = torch.randint(5, 1500, (B, P + R), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(P + R).expand(B, -1),
-             "responses": ids[:, P:], "response_mask": (torch.rand(B, R, generator=g) > 0.2).float()}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(P + R).expand(B, -1),
+        "responses": ids[:, P:],
+        "response_mask": (torch.rand(B, R, generator=g) > 0.2).float(),
+    }
     out = {}
     for micro in (1, 4):
         torch.manual_seed(0)
@@ -164,8 +196,19 @@ def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
 
 def _launch(args: list[str], nproc: int, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, str(WORKER), *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER), *args]
+    cmd = (
+        [sys.executable, str(WORKER), *args]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(WORKER),
+            *args,
+        ]
+    )
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -187,8 +230,11 @@ def runs(tmp_path_factory, tiny_model_dir):
     killed = _launch(["--kill-after-save", "1", *base, f"trainer.output_dir={out['B']}"], 2)
     assert killed.returncode != 0, "the run meant to die after its step-1 checkpoint finished"
     ck = out["B"] / "checkpoints"
-    killed_state = {"step_1": (ck / "step_1" / "state.pt").is_file(), "step_2": (ck / "step_2").exists(),
-                    "final": (out["B"] / "final").exists()}
+    killed_state = {
+        "step_1": (ck / "step_1" / "state.pt").is_file(),
+        "step_2": (ck / "step_2").exists(),
+        "final": (out["B"] / "final").exists(),
+    }
     killed_metrics = _metrics(out["B"])
     resumed = _launch(base + [f"trainer.output_dir={out['B']}", "trainer.resume=true"], 2)
     assert resumed.returncode == 0, f"resume failed:\n{resumed.stderr[-4000:]}"
@@ -242,8 +288,16 @@ def test_two_ranks_take_the_one_process_steps(runs, tmp_path, tiny_model_dir):
     ms, mb = _metrics(out["S"]), _metrics(out["B"])
     assert [m["step"] for m in mb] == [1, 2]
     for x, y in zip(ms, mb):
-        for key in ("reward/mean", "response/policy_tokens_mean", "advantages/std", "advantages/num_tokens",
-                    "actor/grad_norm", "actor/pg_loss", "actor/entropy", "variance_proxy/proxy2_total_power"):
+        for key in (
+            "reward/mean",
+            "response/policy_tokens_mean",
+            "advantages/std",
+            "advantages/num_tokens",
+            "actor/grad_norm",
+            "actor/pg_loss",
+            "actor/entropy",
+            "variance_proxy/proxy2_total_power",
+        ):
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
         assert x["actor/grad_norm"] > 0 and x["advantages/std"] > 0
 

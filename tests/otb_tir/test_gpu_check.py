@@ -36,9 +36,25 @@ def test_without_a_gpu_it_fails_clearly(capsys):
 def test_cpu_smoke_runs_every_phase(tmp_path):
     out = tmp_path / "smoke.json"
     # a fresh process: the FSDP path starts (and ends) its own one-rank process group
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--prompts", "1",
-                        "--n", "2", "--response-length", "16", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--cpu-smoke",
+            "--prompts",
+            "1",
+            "--n",
+            "2",
+            "--response-length",
+            "16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(out.read_text())
     assert info["fsdp"] is True and info["trajectories"] == 2

@@ -44,7 +44,7 @@ def test_pack_matches_per_row_reference_and_round_trips(case):
     for b in range(x.shape[0]):  # test-side reference
         row = x[b][keep[b]]
         assert torch.equal(compact[b, : len(row)], row)
-        assert torch.equal(compact[b, len(row):], torch.zeros(compact.shape[1] - len(row)))
+        assert torch.equal(compact[b, len(row) :], torch.zeros(compact.shape[1] - len(row)))
     # round trip: policy positions come back, the rest is the fill value
     restored = unpack_policy_tokens(compact, layout)
     assert torch.equal(restored, torch.where(keep, x, 0.0))

@@ -4,7 +4,8 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from otb_tir.trainer.ppo import kl_low_var, masked_mean, ppo_policy_loss, truncated_is_weights
 
@@ -53,7 +54,9 @@ def test_micro_batches_sum_to_full_token_mean():
     (g_full,) = torch.autograd.grad(full, new)
     n = mask.sum()
     acc = sum(
-        ppo_policy_loss(new[i : i + 3], old[i : i + 3], adv[i : i + 3], mask[i : i + 3], clip_ratio_c=None, num_tokens=n).loss
+        ppo_policy_loss(
+            new[i : i + 3], old[i : i + 3], adv[i : i + 3], mask[i : i + 3], clip_ratio_c=None, num_tokens=n
+        ).loss
         for i in range(0, 8, 3)
     )
     (g_acc,) = torch.autograd.grad(acc, new)

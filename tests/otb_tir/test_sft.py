@@ -10,11 +10,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_env.math_task.data import make_split
-from otb_tir.defaults.tiny import build_tiny_model, tiny_policy_dir
 from otb_tir import ConfigError
+from otb_tir.defaults.tiny import build_tiny_model, tiny_policy_dir
+from otb_tir.defaults.warm_start import (
+    TraceMixture,
+    _perturb_number,
+    final_answer_from_result,
+    make_traces,
+    plan_messages,
+    plan_trace,
+    reference_call,
+    tool_schemas,
+)
 from otb_tir.trainer.sft import SFTConfig, collate, masked_lm_loss, sft_train, tokenize_conversation
-from otb_tir.defaults.warm_start import (TraceMixture, _perturb_number, final_answer_from_result, make_traces,
-                                        plan_messages, plan_trace, reference_call, tool_schemas)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +38,13 @@ def schemas():
 def _tool_conversation(question="What is 12 times 34? Put the final answer in \\boxed{}."):
     return [
         {"role": "user", "content": question},
-        {"role": "assistant", "content": "Let me compute.",
-         "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}]},
+        {
+            "role": "assistant",
+            "content": "Let me compute.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}
+            ],
+        },
         {"role": "tool", "content": "408"},
         {"role": "assistant", "content": "The answer is \\boxed{408}."},
     ]
@@ -57,7 +70,8 @@ def test_mask_covers_exactly_assistant_tokens(tokenizer, schemas):
     spans = [tokenizer.decode(s) for s in _masked_spans(ex)]
     # what the policy generates in each assistant turn, including its <|im_end|> and nothing else
     assert spans == [
-        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call><|im_end|>',
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n'
+        "</tool_call><|im_end|>",
         "The answer is \\boxed{408}.<|im_end|>",
     ]
     unmasked = tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if not m])
@@ -77,8 +91,7 @@ def test_mask_on_generated_traces(tokenizer, schemas):
         messages = plan_messages(plan)
         ex = tokenize_conversation(tokenizer, messages, tools=schemas)
         text = tokenizer.decode(ex.input_ids)
-        expected = [part.split("<|im_end|>")[0] + "<|im_end|>"
-                    for part in text.split("<|im_start|>assistant\n")[1:]]
+        expected = [part.split("<|im_end|>")[0] + "<|im_end|>" for part in text.split("<|im_start|>assistant\n")[1:]]
         assert [tokenizer.decode(s) for s in _masked_spans(ex)] == expected
         assert len(expected) == sum(m["role"] == "assistant" for m in messages)
 
@@ -89,8 +102,9 @@ def test_tokenize_errors(tokenizer):
 
 
 def test_shared_prefix_loss_equals_plain_loss(tokenizer, schemas):
-    model = build_tiny_model(tokenizer, hidden_size=32, layers=2, heads=2, kv_heads=1, head_dim=16,
-                             intermediate_size=64, seed=1)
+    model = build_tiny_model(
+        tokenizer, hidden_size=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate_size=64, seed=1
+    )
     convs = [_tool_conversation(f"What is {a} times 7? Put the final answer in \\boxed{{}}.") for a in (3, 41, 977)]
     convs.append(_tool_conversation()[:1] + [{"role": "assistant", "content": "\\boxed{1}"}])
     batch = collate([tokenize_conversation(tokenizer, c, tools=schemas) for c in convs], tokenizer.pad_token_id)
@@ -105,8 +119,9 @@ def test_shared_prefix_loss_equals_plain_loss(tokenizer, schemas):
     shared, g_shared = loss_and_grads(True)
     # oracle: the model's own full-vocabulary logits and torch's ignore_index cross-entropy
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                            batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+    ref = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+    )
     torch.testing.assert_close(plain, ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(shared, ref.detach(), rtol=1e-5, atol=1e-6)
     for a, b in zip(g_plain, g_shared):
@@ -114,8 +129,9 @@ def test_shared_prefix_loss_equals_plain_loss(tokenizer, schemas):
 
 
 def test_few_steps_reduce_loss(tokenizer, schemas):
-    model = build_tiny_model(tokenizer, hidden_size=32, layers=2, heads=2, kv_heads=1, head_dim=16,
-                             intermediate_size=64, seed=0)
+    model = build_tiny_model(
+        tokenizer, hidden_size=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate_size=64, seed=0
+    )
     rng = random.Random(1)
     examples = []
     for item in make_split("train", 16, seed=9):
@@ -126,11 +142,15 @@ def test_few_steps_reduce_loss(tokenizer, schemas):
     batch = collate(examples, tokenizer.pad_token_id)
     with torch.no_grad():
         before = float(masked_lm_loss(model, batch))
-    losses = sft_train(model, examples, tokenizer.pad_token_id,
-                       SFTConfig(steps=12, batch_size=8, lr=1e-2, warmup_steps=2, progress=False))
+    losses = sft_train(
+        model,
+        examples,
+        tokenizer.pad_token_id,
+        SFTConfig(steps=12, batch_size=8, lr=1e-2, warmup_steps=2, progress=False),
+    )
     with torch.no_grad():
         after = float(masked_lm_loss(model, batch))
-    assert len(losses) == 12 and all(l == l for l in losses)
+    assert len(losses) == 12 and all(x == x for x in losses)
     assert after < before - 1.0, (before, after)
 
 
@@ -149,8 +169,10 @@ def test_perturb_number_changes_one_digit():
         for _ in range(20):
             out = _perturb_number(text, rng)
             assert len(out) == len(text) and sum(a != b for a, b in zip(out, text)) == 1
-            assert not any(out[i] == "0" and (i == 0 or not out[i - 1].isdigit()) and i + 1 < len(out)
-                           and out[i + 1].isdigit() for i in range(len(out)))
+            assert not any(
+                out[i] == "0" and (i == 0 or not out[i - 1].isdigit()) and i + 1 < len(out) and out[i + 1].isdigit()
+                for i in range(len(out))
+            )
 
 
 def test_make_traces_use_real_tool_results():
@@ -185,8 +207,9 @@ def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatc
     from otb_tir.defaults import warm_start
 
     base = tiny_policy_dir()
-    path = warm_start.warm_start_policy(tmp_path, steps=3, copy_steps=2, n_traces=12, batch_size=4, warmup_steps=1,
-                                         base=base, progress=False)
+    path = warm_start.warm_start_policy(
+        tmp_path, steps=3, copy_steps=2, n_traces=12, batch_size=4, warmup_steps=1, base=base, progress=False
+    )
     assert path.parent == tmp_path and (path / "otb_tir_warm_start.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
     tok = AutoTokenizer.from_pretrained(path)
@@ -197,8 +220,12 @@ def test_warm_start_policy_short_run_is_cached_and_loadable(tmp_path, monkeypatc
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), base_model.parameters()))
     # a second call with the same settings reuses the folder without training
     monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
-    assert warm_start.warm_start_policy(tmp_path, steps=3, copy_steps=2, n_traces=12, batch_size=4, warmup_steps=1,
-                                         base=base) == path
+    assert (
+        warm_start.warm_start_policy(
+            tmp_path, steps=3, copy_steps=2, n_traces=12, batch_size=4, warmup_steps=1, base=base
+        )
+        == path
+    )
     # bad settings fail before any work
     with pytest.raises(ConfigError):
         warm_start.warm_start_policy(tmp_path, steps=0, base=base)

@@ -156,9 +156,9 @@ def test_gradcheck_from_logits_all_outputs():
     logits, labels = make_case(gen, (2, 5), 7, 2.0)
     logits.requires_grad_()
     for t in (1.0, 0.6):
-        assert torch.autograd.gradcheck(lambda x: tuple(token_stats_from_logits(x, labels, t, chunk=3)), (logits,))
+        assert torch.autograd.gradcheck(lambda x, t=t: tuple(token_stats_from_logits(x, labels, t, chunk=3)), (logits,))
     for k in range(3):  # each output alone (the backward skips the terms of unused outputs)
-        assert torch.autograd.gradcheck(lambda x: token_stats_from_logits(x, labels, 1.7, chunk=4)[k], (logits,))
+        assert torch.autograd.gradcheck(lambda x, k=k: token_stats_from_logits(x, labels, 1.7, chunk=4)[k], (logits,))
 
 
 def test_gradcheck_fused_hidden_weight_bias():
@@ -175,7 +175,7 @@ def test_gradcheck_fused_hidden_weight_bias():
     )
     for k in range(3):
         assert torch.autograd.gradcheck(
-            lambda h, w: token_stats_from_hidden(h, w, labels, 1.4, chunk=2)[k], (hidden, weight)
+            lambda h, w, k=k: token_stats_from_hidden(h, w, labels, 1.4, chunk=2)[k], (hidden, weight)
         )
     # only the weight requires grad (frozen backbone)
     h0 = hidden.detach()
@@ -289,7 +289,9 @@ class _AllocTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 ptr = t.untyped_storage().data_ptr()

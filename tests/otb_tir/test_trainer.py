@@ -17,18 +17,28 @@ import pytest
 import torch
 
 from agent_env import AgentEnv
-from agent_env.math_task.data import make_split
 from agent_env.engines.hf import HFEngine
+from agent_env.math_task.data import make_split
+from otb_tir.builders import episode_config
 from otb_tir.trainer.config import load_config
 from otb_tir.trainer.run import build_optimizer
-from otb_tir.builders import episode_config
 from otb_tir.trainer.trainer import Trainer, filter_loss_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.response_length=48",
-         "rollout.max_tokens_per_turn=24", "multi_turn.max_assistant_turns=2", "multi_turn.tools=[calculator]",
-         "multi_turn.tool_timeout=60", "eval.size=4", "trainer.loggers=[jsonl]", "actor.optim.lr=1e-2"]
+SMALL = [
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=4",
+    "rollout.response_length=48",
+    "rollout.max_tokens_per_turn=24",
+    "multi_turn.max_assistant_turns=2",
+    "multi_turn.tools=[calculator]",
+    "multi_turn.tool_timeout=60",
+    "eval.size=4",
+    "trainer.loggers=[jsonl]",
+    "actor.optim.lr=1e-2",
+]
 
 
 def _length_reward(text, ground_truth, traj):
@@ -59,8 +69,15 @@ def test_one_step_updates_policy_for_every_estimator(tmp_path, tiny_model_factor
     assert torch.all(batch["response_mask"].sum(1) > 0)
     changed = sum(not torch.equal(before[k], v) for k, v in tr.model.named_parameters())
     assert changed > 0
-    for key in ("reward/mean", "tools/call_rate", "episode/turns_mean", "variance_proxy/proxy2_total_power",
-                "timing/rollout_s", "timing/update_s", "actor/clip_frac"):
+    for key in (
+        "reward/mean",
+        "tools/call_rate",
+        "episode/turns_mean",
+        "variance_proxy/proxy2_total_power",
+        "timing/rollout_s",
+        "timing/update_s",
+        "actor/clip_frac",
+    ):
         assert key in m and m[key] == m[key], key  # present and not NaN
     asyncio_close(tr)
 
@@ -121,9 +138,18 @@ def test_filters_mask_whole_trajectories(tmp_path, tiny_model_factory, tiny_toke
 @pytest.mark.slow
 def test_sigkill_then_resume_loses_no_step(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
-    args = [sys.executable, str(ROOT / "recipes/train_tir_math.py"), "--model", str(tiny_model_dir),
-            *SMALL, f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.save_every=1",
-            "eval.before=false", "eval.after=false"]
+    args = [
+        sys.executable,
+        str(ROOT / "recipes/train_tir_math.py"),
+        "--model",
+        str(tiny_model_dir),
+        *SMALL,
+        f"trainer.output_dir={out}",
+        "trainer.total_steps=3",
+        "trainer.save_every=1",
+        "eval.before=false",
+        "eval.after=false",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 600

@@ -15,7 +15,9 @@ from otb_tir.trainer.logging import MetricsLogger
 def test_metrics_logger_writes_jsonl_tensorboard_and_png(tmp_path):
     lg = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"])
     for step in range(1, 4):
-        lg.log({"reward/mean": step / 10, "reward/accuracy": torch.tensor(0.5), "tools/call_rate": np.float32(0.25)}, step)
+        lg.log(
+            {"reward/mean": step / 10, "reward/accuracy": torch.tensor(0.5), "tools/call_rate": np.float32(0.25)}, step
+        )
     lg.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["reward/mean"] == pytest.approx(0.3)
@@ -50,7 +52,12 @@ def test_checkpoint_roundtrip_keeps_last_k_and_restores_rng(tmp_path):
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, {"model": model.state_dict(), "optim": opt.state_dict(), "rng": rng_state(), "cursor": step * 8}, keep=2)
+        save_checkpoint(
+            tmp_path,
+            step,
+            {"model": model.state_dict(), "optim": opt.state_dict(), "rng": rng_state(), "cursor": step * 8},
+            keep=2,
+        )
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     step, state = load_latest(tmp_path)

@@ -29,12 +29,25 @@ def verl_setup(tiny_model_dir, tmp_path_factory):
     from otb_tir.verl.launch import compose_verl_config, validate_verl_config
 
     out = tmp_path_factory.mktemp("verl_run")
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", "trainer=verl", "rollout.name=vllm", f"trainer.output_dir={out}",
-        "data.train_size=6", "data.val_size=2", "rollout.n=2", "data.train_batch_size=2",
-        "actor.ppo_mini_batch_size=2", "rollout.response_length=160", "rollout.max_tokens_per_turn=40",
-        "multi_turn.max_assistant_turns=3", "trainer.n_gpus_per_node=1",
-        "multi_turn.tool_timeout=120"])  # generous: a loaded CI machine starts sympy slowly
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "trainer=verl",
+            "rollout.name=vllm",
+            f"trainer.output_dir={out}",
+            "data.train_size=6",
+            "data.val_size=2",
+            "rollout.n=2",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.response_length=160",
+            "rollout.max_tokens_per_turn=40",
+            "multi_turn.max_assistant_turns=3",
+            "trainer.n_gpus_per_node=1",
+            "multi_turn.tool_timeout=120",
+        ],
+    )  # generous: a loaded CI machine starts sympy slowly
     vcfg = compose_verl_config(cfg)
     validate_verl_config(vcfg)
     return cfg, vcfg
@@ -61,7 +74,7 @@ class HFServerManager:
     @torch.no_grad()
     def _teacher_forced(self, prompt_ids, ids, temperature):
         seq = torch.tensor([prompt_ids + ids])
-        logits = self.model(seq).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+        logits = self.model(seq).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
     def _script(self, prompt_ids: list[int]) -> list[int]:
@@ -75,8 +88,9 @@ class HFServerManager:
         return self.tokenizer.encode(reply, add_special_tokens=False) + [self.im_end]
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        from agent_env.engines import HFEngine, SamplingParams
         from verl.workers.rollout.replica import TokenOutput
+
+        from agent_env.engines import HFEngine, SamplingParams
 
         if self.engine is None:
             self.engine = HFEngine(self.model_dir, max_batch_size=8, seed=0)
@@ -89,9 +103,16 @@ class HFServerManager:
             ids = self._script(list(prompt_ids))[: sp["max_tokens"]]
             logprobs = self._teacher_forced(list(prompt_ids), ids, sp["temperature"])
         else:
-            out = await self.engine.generate(list(prompt_ids), SamplingParams(
-                max_tokens=sp["max_tokens"], temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
-                stop_token_ids=list(sp["stop_token_ids"])))
+            out = await self.engine.generate(
+                list(prompt_ids),
+                SamplingParams(
+                    max_tokens=sp["max_tokens"],
+                    temperature=sp["temperature"],
+                    top_p=sp["top_p"],
+                    top_k=sp["top_k"],
+                    stop_token_ids=list(sp["stop_token_ids"]),
+                ),
+            )
             ids, logprobs = list(out.token_ids), list(out.logprobs)
         res = TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="completed")
         self.outputs[request_id].append(res)
@@ -113,9 +134,10 @@ def _gen_batch(vcfg, tokenizer, n_prompts: int, n: int):
 
 @pytest.mark.verl
 def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model_dir, tiny_tokenizer):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+
     from agent_env.math_task.data import load_parquet
     from otb_tir.verl.agent_loop import close_cached_tools
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 
     cfg, vcfg = verl_setup
     n_prompts, n = 2, 2
@@ -151,7 +173,7 @@ def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model
     # 1. mask = 1 tokens are exactly what the server sampled, in order, with its log-probs
     sampled = Counter()
     sampled_lp = {}
-    for rid, outs in manager.outputs.items():
+    for outs in manager.outputs.values():
         key = tuple(t for o in outs for t in o.token_ids)
         sampled[key] += 1
         sampled_lp[key] = [x for o in outs for x in o.log_probs]
@@ -162,7 +184,7 @@ def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model
         got[key] += 1
         assert lp[i][m].tolist() == pytest.approx(sampled_lp[key], abs=1e-6)
         assert torch.all(lp[i][~m] == 0)
-        assert torch.all(mask[i, resp_len[i]:] == 0)
+        assert torch.all(mask[i, resp_len[i] :] == 0)
     assert got == sampled
     assert len(manager.order) == B
 
@@ -192,38 +214,49 @@ def test_agent_loop_runs_real_episodes_under_verls_worker(verl_setup, tiny_model
     # 4. the layout verl trains on: recomputing log-probs with the same model over verl's padded
     #    input_ids/attention_mask/position_ids reproduces the rollout log-probs at every mask = 1 token
     with torch.no_grad():
-        logits = manager.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                               position_ids=b["position_ids"]).logits[:, P - 1:-1].float()
+        logits = (
+            manager.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
+            .logits[:, P - 1 : -1]
+            .float()
+        )
     recomputed = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
     m = mask.bool()
     assert torch.allclose(recomputed[m], lp[m], atol=2e-4), (recomputed[m] - lp[m]).abs().max()
 
     # 5. the rollout feeds verl's compute_advantage with our TIR-OTB installed (as the trainer does)
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
     from otb_tir.advantage import tir_optimal_token_baseline
     from otb_tir.token_stats import sum_pi_squared_from_logits
     from otb_tir.verl import plugin
-    from verl.trainer.config import AlgoConfig
-    from verl.trainer.ppo.ray_trainer import compute_advantage
 
     b["old_log_probs"] = recomputed * mask
     b["sum_pi_squared"] = sum_pi_squared_from_logits(logits) * mask
     b["token_level_rewards"] = b["rm_scores"]
     plugin.install()
     try:
-        adv = compute_advantage(out, adv_estimator="tir_optimal_token_baseline", num_repeat=n,
-                                config=AlgoConfig()).batch["advantages"]
+        adv = compute_advantage(
+            out, adv_estimator="tir_optimal_token_baseline", num_repeat=n, config=AlgoConfig()
+        ).batch["advantages"]
     finally:
         plugin.uninstall()
-    direct, _ = tir_optimal_token_baseline(b["rm_scores"], mask, out.non_tensor_batch["uid"],
-                                           old_log_probs=b["old_log_probs"], sum_pi_squared=b["sum_pi_squared"])
+    direct, _ = tir_optimal_token_baseline(
+        b["rm_scores"],
+        mask,
+        out.non_tensor_batch["uid"],
+        old_log_probs=b["old_log_probs"],
+        sum_pi_squared=b["sum_pi_squared"],
+    )
     assert torch.equal(adv, direct) and torch.all(adv[~m] == 0) and adv.abs().sum() > 0
 
 
 def test_server_manager_engine_contract():
     """Finish reasons, abort, and a server that drops log-probs."""
+    from verl.workers.rollout.replica import TokenOutput
+
     from agent_env.engines.base import EngineError, SamplingParams
     from otb_tir.verl.agent_loop import ServerManagerEngine
-    from verl.workers.rollout.replica import TokenOutput
 
     class Fake:
         def __init__(self, out):
@@ -235,10 +268,12 @@ def test_server_manager_engine_contract():
 
     params = SamplingParams(max_tokens=3, stop_token_ids=[9], temperature=0.5)
     base = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
-    cases = [(TokenOutput(token_ids=[1, 9], log_probs=[-1.0, -2.0], stop_reason="completed"), "stop"),
-             (TokenOutput(token_ids=[1, 2, 3], log_probs=[-1.0] * 3, stop_reason="completed"), "length"),
-             (TokenOutput(token_ids=[1, 2, 9], log_probs=[-1.0] * 3, stop_reason="completed"), "stop"),
-             (TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"), "abort")]
+    cases = [
+        (TokenOutput(token_ids=[1, 9], log_probs=[-1.0, -2.0], stop_reason="completed"), "stop"),
+        (TokenOutput(token_ids=[1, 2, 3], log_probs=[-1.0] * 3, stop_reason="completed"), "length"),
+        (TokenOutput(token_ids=[1, 2, 9], log_probs=[-1.0] * 3, stop_reason="completed"), "stop"),
+        (TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"), "abort"),
+    ]
     for token_out, finish in cases:
         fake = Fake(token_out)
         eng = ServerManagerEngine(fake, base, request_id="r1")
@@ -249,16 +284,16 @@ def test_server_manager_engine_contract():
         assert rid == "r1" and prompt == [5, 6] and sp["temperature"] == 0.0 and sp["max_tokens"] == 3
         assert sp["stop_token_ids"] == [9] and sp["logprobs"] is True
     with pytest.raises(EngineError, match="log-probs"):
-        asyncio.run(ServerManagerEngine(Fake(TokenOutput(token_ids=[1], log_probs=None)), base)
-                    .generate([5], params))
+        asyncio.run(ServerManagerEngine(Fake(TokenOutput(token_ids=[1], log_probs=None)), base).generate([5], params))
 
 
 @pytest.mark.verl
 def test_prompt_longer_than_verls_budget_is_skipped_not_truncated(verl_setup, tiny_model_dir, tiny_tokenizer):
     """verl would left-truncate a prompt the policy never saw; we return an empty, reward-0 row."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
     from otb_tir.verl.agent_loop import close_cached_tools
     from otb_tir.verl.launch import compose_verl_config
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     cfg, _ = verl_setup
     vcfg = compose_verl_config(cfg, overrides=["data.max_prompt_length=32", "data.filter_overlong_prompts=false"])

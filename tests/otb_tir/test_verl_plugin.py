@@ -91,8 +91,8 @@ SCRIPT = textwrap.dedent(r'''
 def test_plugin_replaces_both_entries_and_compute_advantage_returns_ours():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    report = json.loads(line[len("RESULT "):])
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    report = json.loads(line[len("RESULT ") :])
     assert len(report) == 8
     for case, (adv_diff, ret_diff, adv_max) in report.items():
         assert adv_max > 0, case  # not a degenerate all-zero case

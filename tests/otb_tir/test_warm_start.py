@@ -11,12 +11,20 @@ from fractions import Fraction
 import pytest
 import sympy
 
-from agent_env.math_task.data import KINDS, make_split
 from agent_env.engines.base import GenerationOutput
+from agent_env.math_task.data import KINDS, make_split
 from otb_tir import ConfigError
 from otb_tir.defaults import warm_start
-from otb_tir.defaults.warm_start import (DEFAULT_TOOL_SHARE, TraceMixture, WarmStartSettings, _breakdown,
-                                        final_answer_from_result, make_traces, plan_trace, reference_call)
+from otb_tir.defaults.warm_start import (
+    DEFAULT_TOOL_SHARE,
+    TraceMixture,
+    WarmStartSettings,
+    _breakdown,
+    final_answer_from_result,
+    make_traces,
+    plan_trace,
+    reference_call,
+)
 
 
 def _sympy_value(expr: str) -> Fraction:
@@ -98,13 +106,22 @@ def test_final_answer_from_result():
 
 
 def test_breakdown_counts():
-    items = [{"extra_info": {"kind": "mul", "expression": "12*34", "question": "What is 12 times 34?"},
-              "reward_model": {"ground_truth": "408"}} for _ in range(4)]
+    items = [
+        {
+            "extra_info": {"kind": "mul", "expression": "12*34", "question": "What is 12 times 34?"},
+            "reward_model": {"ground_truth": "408"},
+        }
+        for _ in range(4)
+    ]
     correct = [True, False, False, True]
     first_call = [True, True, True, False]
     first_correct = [False, False, False, True]
-    first_args = [{"name": "calculator", "expression": "12 * 34"}, {"name": "calculator", "expression": "12*35"},
-                  {"name": "python", "code": "print(12*34)"}, None]
+    first_args = [
+        {"name": "calculator", "expression": "12 * 34"},
+        {"name": "calculator", "expression": "12*35"},
+        {"name": "python", "code": "print(12*34)"},
+        None,
+    ]
     first_result = ["408", "420", "408\n", None]
     row = _breakdown(items, correct, first_call, first_correct, first_args, first_result)["mul"]
     assert row["n"] == 4 and row["accuracy"] == 0.5 and row["tool_call_rate"] == 0.75
@@ -115,13 +132,24 @@ def test_breakdown_counts():
     assert table[0].split()[:3] == ["kind", "n", "accuracy"] and table[1].split()[:3] == ["mul", "4", "0.50"]
 
 
-@pytest.mark.parametrize("bad", [
-    dict(steps=0), dict(copy_steps=-1), dict(batch_size=-1), dict(n_traces=0), dict(hidden_size=100), dict(layers=0),
-    dict(lr=0.0), dict(warmup_steps=10, steps=10), dict(mixture=TraceMixture(tool=-1)),
-    dict(mixture=TraceMixture(tool_share={"cubic": 0.5})), dict(mixture=TraceMixture(tool_share={"mul": 1.5})),
-    dict(mixture=TraceMixture(guess_right=2.0)),
-    dict(mixture=TraceMixture(tool=0, python=0, wrong_tool=0, guess=1, tool_share={"mul": 0.5})),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(steps=0),
+        dict(copy_steps=-1),
+        dict(batch_size=-1),
+        dict(n_traces=0),
+        dict(hidden_size=100),
+        dict(layers=0),
+        dict(lr=0.0),
+        dict(warmup_steps=10, steps=10),
+        dict(mixture=TraceMixture(tool=-1)),
+        dict(mixture=TraceMixture(tool_share={"cubic": 0.5})),
+        dict(mixture=TraceMixture(tool_share={"mul": 1.5})),
+        dict(mixture=TraceMixture(guess_right=2.0)),
+        dict(mixture=TraceMixture(tool=0, python=0, wrong_tool=0, guess=1, tool_share={"mul": 0.5})),
+    ],
+)
 def test_bad_settings_raise_config_error(bad, tmp_path, monkeypatch):
     from otb_tir.defaults.tiny import tiny_policy_dir
 
@@ -171,8 +199,9 @@ def test_copy_phase_trains_on_tool_call_traces_only(tmp_path, monkeypatch):
         return real(model, examples, pad_id, cfg)
 
     monkeypatch.setattr(warm_start, "sft_train", spy)
-    path = warm_start.warm_start_policy(tmp_path, steps=2, copy_steps=3, n_traces=16, batch_size=4,
-                                        warmup_steps=1, base=base, progress=False)
+    path = warm_start.warm_start_policy(
+        tmp_path, steps=2, copy_steps=3, n_traces=16, batch_size=4, warmup_steps=1, base=base, progress=False
+    )
     (phase1, cfg1), (phase2, cfg2) = seen
     assert (cfg1.steps, cfg2.steps) == (3, 2)
     from transformers import AutoTokenizer
@@ -181,6 +210,7 @@ def test_copy_phase_trains_on_tool_call_traces_only(tmp_path, monkeypatch):
     traces = warm_start.make_traces(16, seed=0)
     with_call = sum(any(m.get("tool_calls") for m in msgs) for msgs in traces)
     assert 0 < len(phase1) == with_call < len(phase2) == 16
+
     def calls(e):  # the policy writes a <tool_call> (the system prompt's mention has no loss)
         return any(i == call_id and m for i, m in zip(e.input_ids, e.loss_mask))
 
@@ -195,9 +225,17 @@ def test_copy_phase_needs_tool_traces(tmp_path, monkeypatch):
 
     monkeypatch.setattr(warm_start, "make_traces", lambda *a, **k: pytest.fail("worked on bad settings"))
     with pytest.raises(ConfigError, match="copy_steps"):
-        warm_start.warm_start_policy(tmp_path, steps=1, copy_steps=2, n_traces=4, batch_size=2, warmup_steps=0,
-                                     base=tiny_policy_dir(), progress=False,
-                                     mixture=TraceMixture(tool_share={k: 0.0 for k in warm_start.DEFAULT_TOOL_SHARE}))
+        warm_start.warm_start_policy(
+            tmp_path,
+            steps=1,
+            copy_steps=2,
+            n_traces=4,
+            batch_size=2,
+            warmup_steps=0,
+            base=tiny_policy_dir(),
+            progress=False,
+            mixture=TraceMixture(tool_share={k: 0.0 for k in warm_start.DEFAULT_TOOL_SHARE}),
+        )
 
 
 # ----------------------------------------------------------------------------- the check
@@ -215,8 +253,10 @@ class _ScriptedCheckPolicy:
 
     async def generate(self, prompt_ids, params):
         text = self.tok.decode(prompt_ids)
-        i = max((j for j, it in enumerate(self.items) if it["extra_info"]["question"] in text),
-                key=lambda j: len(self.items[j]["extra_info"]["question"]))
+        i = max(
+            (j for j, it in enumerate(self.items) if it["extra_info"]["question"] in text),
+            key=lambda j: len(self.items[j]["extra_info"]["question"]),
+        )
         item, plan = self.items[i], i % 6
         truth = item["reward_model"]["ground_truth"]
         turn = text.count("<|im_start|>assistant")
@@ -225,14 +265,22 @@ class _ScriptedCheckPolicy:
             return '<tool_call>\n{"name": "calculator", "arguments": %s}\n</tool_call>' % __import__("json").dumps(args)
 
         if turn == 1:
-            out = {0: call({"expression": reference_call(item)[1]}), 1: call({"expression": "12345+1"}),
-                   2: f"The answer is \\boxed{{{truth}}}.", 3: "The answer is \\boxed{99999999}.",
-                   4: call({"expr": "1+1"}), 5: call({"expression": reference_call(item)[1]})}[plan]
+            out = {
+                0: call({"expression": reference_call(item)[1]}),
+                1: call({"expression": "12345+1"}),
+                2: f"The answer is \\boxed{{{truth}}}.",
+                3: "The answer is \\boxed{99999999}.",
+                4: call({"expr": "1+1"}),
+                5: call({"expression": reference_call(item)[1]}),
+            }[plan]
         else:
             result = text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
-            out = {0: f"The answer is \\boxed{{{final_answer_from_result(result)}}}.",
-                   1: f"The answer is \\boxed{{{final_answer_from_result(result)}}}.",
-                   4: "The answer is \\boxed{2}.", 5: "The answer is \\boxed{77777777}."}[plan]
+            out = {
+                0: f"The answer is \\boxed{{{final_answer_from_result(result)}}}.",
+                1: f"The answer is \\boxed{{{final_answer_from_result(result)}}}.",
+                4: "The answer is \\boxed{2}.",
+                5: "The answer is \\boxed{77777777}.",
+            }[plan]
         ids = self.tok.encode(out, add_special_tokens=False) + [self.stop]
         return GenerationOutput(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
 
@@ -270,10 +318,14 @@ def test_check_report_is_what_the_agent_env_episodes_give(tiny_model_dir, tiny_t
     correct = [bool(t.reward_details["correct"]) for t in trajs]
     first_call = [bool(t.turns[0].tool_calls) for t in trajs]
     first_correct = [ok and not c for ok, c in zip(correct, first_call)]
-    first_args = [{"name": t.turns[0].tool_calls[0].name, **t.turns[0].tool_calls[0].arguments} if c else None
-                  for t, c in zip(trajs, first_call)]
-    first_result = [t.turns[0].tool_calls[0].text if c and t.turns[0].tool_calls[0].executed else None
-                    for t, c in zip(trajs, first_call)]
+    first_args = [
+        {"name": t.turns[0].tool_calls[0].name, **t.turns[0].tool_calls[0].arguments} if c else None
+        for t, c in zip(trajs, first_call)
+    ]
+    first_result = [
+        t.turns[0].tool_calls[0].text if c and t.turns[0].tool_calls[0].executed else None
+        for t, c in zip(trajs, first_call)
+    ]
     calls = [c for t in trajs for tr in t.turns for c in tr.tool_calls]
     assert report.n == n and report.temperature == 0.0
     assert report.accuracy == sum(correct) / n
@@ -282,8 +334,11 @@ def test_check_report_is_what_the_agent_env_episodes_give(tiny_model_dir, tiny_t
     assert report.well_formed_rate == sum(c.error not in MALFORMED_KINDS for c in calls) / len(calls)
     assert report.tool_success_rate == tool_metrics(trajs)["tools/executed_success_rate"]
     kinds = sorted({it["extra_info"]["kind"] for it in items})
-    assert report.by_kind == {k: sum(ok for ok, it in zip(correct, items) if it["extra_info"]["kind"] == k)
-                              / sum(it["extra_info"]["kind"] == k for it in items) for k in kinds}
+    assert report.by_kind == {
+        k: sum(ok for ok, it in zip(correct, items) if it["extra_info"]["kind"] == k)
+        / sum(it["extra_info"]["kind"] == k for it in items)
+        for k in kinds
+    }
     expected = _breakdown(items, correct, first_call, first_correct, first_args, first_result)
     assert report.breakdown.keys() == expected.keys()
     for kind, row in expected.items():
@@ -293,8 +348,11 @@ def test_check_report_is_what_the_agent_env_episodes_give(tiny_model_dir, tiny_t
     assert correct == [i % 6 in (0, 2) for i in range(n)]
     assert (report.accuracy, report.tool_call_rate, report.accuracy_without_tools) == (4 / 12, 8 / 12, 2 / 12)
     assert report.well_formed_rate == 6 / 8 and report.tool_success_rate == 6 / 8
-    assert sum(row["n"] * row["tool_call_rate"] * row["call_exact"] for row in report.breakdown.values()
-               if row["tool_call_rate"]) == pytest.approx(4)  # plans 0 and 5 make the reference call
+    assert sum(
+        row["n"] * row["tool_call_rate"] * row["call_exact"]
+        for row in report.breakdown.values()
+        if row["tool_call_rate"]
+    ) == pytest.approx(4)  # plans 0 and 5 make the reference call
     assert sum(row["n"] * row["guess_rate"] for row in report.breakdown.values()) == pytest.approx(4)
 
 
@@ -316,8 +374,9 @@ def test_warm_start_publishes_through_the_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(warm_start, "sft_train", counted)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(warm_start.warm_start_policy(tmp_path, **kw)))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(warm_start.warm_start_policy(tmp_path, **kw))) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -80,19 +80,24 @@ def weight_sync(patched: bool, model_dir: str) -> dict:
 
     if patched:
         _apply("vllm_version", "weight_sync")
-        from otb_tir.verl import cpu
         from verl.workers.rollout.replica import RolloutReplicaRegistry
         from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
+        from otb_tir.verl import cpu
+
         replica = RolloutReplicaRegistry.get("vllm")
         ext = cpu.CPUWorkerExtension
-        facts = {"replica": replica.__name__, "extension_is_verls_subclass": issubclass(ext, vLLMColocateWorkerExtension),
-                 "extension_name": f"{ext.__module__}.{ext.__qualname__}"}
+        facts = {
+            "replica": replica.__name__,
+            "extension_is_verls_subclass": issubclass(ext, vLLMColocateWorkerExtension),
+            "extension_name": f"{ext.__module__}.{ext.__qualname__}",
+        }
     else:
         facts = {}
     state = load_file(os.path.join(model_dir, "model.safetensors"))
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              gpu_memory_utilization=0.3)
+    llm = LLM(
+        model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, gpu_memory_utilization=0.3
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}
 

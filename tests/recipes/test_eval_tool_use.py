@@ -18,14 +18,22 @@ RECIPE = ROOT / "recipes" / "eval_tool_use.py"
 
 def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env
+    )
 
 
 @pytest.mark.slow
 def test_recipe_end_to_end_and_compare(tmp_path, tiny_model_dir):
-    common = [f"--model={tiny_model_dir}", "data.size=3", "rollout.n=2", "eval.pass_k=[1,2]",
-              "rollout.response_length=48", "rollout.max_tokens_per_turn=24", f"output.dir={tmp_path}"]
+    common = [
+        f"--model={tiny_model_dir}",
+        "data.size=3",
+        "rollout.n=2",
+        "eval.pass_k=[1,2]",
+        "rollout.response_length=48",
+        "rollout.max_tokens_per_turn=24",
+        f"output.dir={tmp_path}",
+    ]
     a = run(*common, "output.name=a", "rollout.temperature=1.0")
     assert a.returncode == 0, a.stderr[-3000:]
     assert "| accuracy/pass@2" in a.stdout and "tools disabled" in a.stdout
@@ -33,11 +41,25 @@ def test_recipe_end_to_end_and_compare(tmp_path, tiny_model_dir):
     report = json.loads((tmp_path / "a.json").read_text())
     for section in ("with_tools", "without_tools"):
         fig = report[section]["overall"]
-        for key in ["accuracy/mean@n", "accuracy/pass@1", "accuracy/pass@2", "tools/call_rate",
-                    "tools/calls_per_episode", "tools/success_rate", "errors/syntax_error", "errors/runtime_error",
-                    "errors/timeout", "errors/memory", "errors/output_cut", "errors/malformed_call",
-                    "errors/unknown_tool", "turns/mean", "episode/void_turn_rate", "response/tool_token_share",
-                    "response/length_mean"]:
+        for key in [
+            "accuracy/mean@n",
+            "accuracy/pass@1",
+            "accuracy/pass@2",
+            "tools/call_rate",
+            "tools/calls_per_episode",
+            "tools/success_rate",
+            "errors/syntax_error",
+            "errors/runtime_error",
+            "errors/timeout",
+            "errors/memory",
+            "errors/output_cut",
+            "errors/malformed_call",
+            "errors/unknown_tool",
+            "turns/mean",
+            "episode/void_turn_rate",
+            "response/tool_token_share",
+            "response/length_mean",
+        ]:
             assert key in fig, (section, key)
         assert any(k.startswith("turns/hist/") for k in fig) and any(k.startswith("finish/") for k in fig)
         assert set(report[section]["by_source"]) == {"otb_tir/arith"}

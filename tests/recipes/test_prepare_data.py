@@ -23,10 +23,18 @@ GSM8K = [
     {"question": "A shop sells 1,200 pens a day. How many in 2 days?", "answer": "1200*2=2400\n#### 2,400"},
 ]
 MATH = [
-    {"problem": "Simplify $\\frac{2}{4}$.", "solution": "It is $\\boxed{\\frac{1}{2}}$.",
-     "level": "Level 1", "type": "Prealgebra"},
-    {"problem": "Find $x$ if $x^2=9$, $x>0$.", "solution": "First \\boxed{-3} is out; so $x=\\boxed{3}$.",
-     "level": "Level 2", "type": "Algebra"},
+    {
+        "problem": "Simplify $\\frac{2}{4}$.",
+        "solution": "It is $\\boxed{\\frac{1}{2}}$.",
+        "level": "Level 1",
+        "type": "Prealgebra",
+    },
+    {
+        "problem": "Find $x$ if $x^2=9$, $x>0$.",
+        "solution": "First \\boxed{-3} is out; so $x=\\boxed{3}$.",
+        "level": "Level 2",
+        "type": "Algebra",
+    },
     {"problem": "No boxed answer here.", "solution": "The answer is 5."},
 ]
 
@@ -43,15 +51,20 @@ def test_gsm8k_and_math_to_parquet(tmp_path):
     for i, rec in enumerate(MATH):  # the original MATH layout: one json file per problem
         (math_dir / f"{i}.json").write_text(json.dumps(rec))
     out = tmp_path / "out"
-    written = prepare_data.main(["--gsm8k", str(gsm), "--math", str(tmp_path / "MATH"),
-                                 "--split", "test", "--out", str(out)])
+    written = prepare_data.main(
+        ["--gsm8k", str(gsm), "--math", str(tmp_path / "MATH"), "--split", "test", "--out", str(out)]
+    )
     assert [p.name for p in written] == ["gsm8k_test.parquet", "math_test.parquet"]
 
     gsm_rows = load_parquet(out / "gsm8k_test.parquet")
     assert [r["reward_model"]["ground_truth"] for r in gsm_rows] == ["7", "2400"]
     assert gsm_rows[0]["data_source"] == "openai/gsm8k" and gsm_rows[0]["agent_name"] == "tool_agent"
-    assert gsm_rows[1]["prompt"] == [{"role": "user", "content":
-                                      "A shop sells 1,200 pens a day. How many in 2 days? Put the final answer in \\boxed{}."}]
+    assert gsm_rows[1]["prompt"] == [
+        {
+            "role": "user",
+            "content": "A shop sells 1,200 pens a day. How many in 2 days? Put the final answer in \\boxed{}.",
+        }
+    ]
     assert gsm_rows[1]["extra_info"]["split"] == "test" and gsm_rows[1]["extra_info"]["index"] == 1
     assert gsm_rows[1]["extra_info"]["answer"].endswith("#### 2,400")
 
@@ -75,18 +88,36 @@ def test_last_boxed_nested_and_unbalanced():
 
 def test_builtin_cli(tmp_path):
     out = tmp_path / "data"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "prepare_data.py"), "--builtin", "40",
-                           "--builtin-test", "10", "--seed", "3", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "prepare_data.py"),
+            "--builtin",
+            "40",
+            "--builtin-test",
+            "10",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert load_parquet(out / "arith_train.parquet") == make_split("train", 40, seed=3)
     assert load_parquet(out / "arith_test.parquet") == make_split("test", 10, seed=3)
 
 
-@pytest.mark.parametrize("rows, match", [
-    ([{"question": "q", "answer": "no final line"}], "has no '#### <number>'"),
-    ([{"question": "q"}], "expected a string field 'answer'"),
-])
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([{"question": "q", "answer": "no final line"}], "has no '#### <number>'"),
+        ([{"question": "q"}], "expected a string field 'answer'"),
+    ],
+)
 def test_bad_gsm8k_records(tmp_path, rows, match):
     path = _write_jsonl(tmp_path / "g.jsonl", rows)
     with pytest.raises(ConfigError, match=match):

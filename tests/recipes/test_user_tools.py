@@ -27,12 +27,30 @@ import pytest
 PLUGIN = Path(__file__).resolve().parents[1] / "data" / "plugins" / "lookup_plugin.py"
 BIN = Path(sys.executable).parent
 
-TRAIN = ["trainer.total_steps=1", "data.train_size=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
-         "rollout.n=2", "eval.size=2", "eval.before=false", "rollout.response_length=192",
-         "rollout.max_tokens_per_turn=48", "multi_turn.max_assistant_turns=3", "trainer.loggers=[jsonl]",
-         "trainer.save_every=0"]
-EVAL = ["data.size=2", "rollout.n=2", "eval.pass_k=[1,2]", "eval.without_tools=false", "rollout.response_length=192",
-        "rollout.max_tokens_per_turn=48", "multi_turn.max_assistant_turns=3", "output.progress=false"]
+TRAIN = [
+    "trainer.total_steps=1",
+    "data.train_size=8",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=2",
+    "eval.size=2",
+    "eval.before=false",
+    "rollout.response_length=192",
+    "rollout.max_tokens_per_turn=48",
+    "multi_turn.max_assistant_turns=3",
+    "trainer.loggers=[jsonl]",
+    "trainer.save_every=0",
+]
+EVAL = [
+    "data.size=2",
+    "rollout.n=2",
+    "eval.pass_k=[1,2]",
+    "eval.without_tools=false",
+    "rollout.response_length=192",
+    "rollout.max_tokens_per_turn=48",
+    "multi_turn.max_assistant_turns=3",
+    "output.progress=false",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -120,8 +138,20 @@ def test_yaml_plugin_on_pythonpath_reaches_training_and_eval(policy, user):
     tools_yaml = _yaml(user, log)
     env = _env(user / "code")
     out = user / "run"
-    _run([sys.executable, "-m", "otb_tir.train", "--model", str(policy), *TRAIN, f"trainer.output_dir={out}",
-          f"multi_turn.tool_config_path={tools_yaml}"], user, env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "otb_tir.train",
+            "--model",
+            str(policy),
+            *TRAIN,
+            f"trainer.output_dir={out}",
+            f"multi_turn.tool_config_path={tools_yaml}",
+        ],
+        user,
+        env,
+    )
     calls = [r for r in _log(log) if r["event"] == "call"]
     row = _train_metrics(out)
     summary = json.loads((out / "summary.json").read_text())
@@ -135,8 +165,20 @@ def test_yaml_plugin_on_pythonpath_reaches_training_and_eval(policy, user):
 
     before = len(calls)
     rep_dir = user / "eval"
-    _run([sys.executable, "-m", "otb_tir.eval", "--model", str(policy), *EVAL, f"output.dir={rep_dir}",
-          f"multi_turn.tool_config_path={tools_yaml}"], user, env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "otb_tir.eval",
+            "--model",
+            str(policy),
+            *EVAL,
+            f"output.dir={rep_dir}",
+            f"multi_turn.tool_config_path={tools_yaml}",
+        ],
+        user,
+        env,
+    )
     report = json.loads((rep_dir / "eval.json").read_text())
     calls = [r for r in _log(log) if r["event"] == "call"]
     assert len(calls) - before == report["with_tools"]["overall"]["tools/ok"] == 2 * 2 * 2
@@ -149,7 +191,8 @@ def _install_entry_point_dist(user: Path) -> Path:
     src = user / "otb_lookup_dist"
     src.mkdir()
     shutil.copy(PLUGIN, src / "otb_lookup_plugin.py")
-    (src / "pyproject.toml").write_text(textwrap.dedent("""
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent("""
         [build-system]
         requires = ["setuptools>=68"]
         build-backend = "setuptools.build_meta"
@@ -163,10 +206,26 @@ def _install_entry_point_dist(user: Path) -> Path:
 
         [project.entry-points."otb_tir.tools"]
         lookup = "otb_lookup_plugin:Lookup"
-    """))
+    """)
+    )
     site = user / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-                    str(site), str(src)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     shutil.rmtree(src)  # only the installed copy remains
     assert any(p.name.startswith("otb_lookup_plugin") and p.suffix == ".dist-info" for p in site.iterdir())
     return site
@@ -178,8 +237,9 @@ def test_entry_point_plugin_reaches_training_and_eval_through_the_console_script
     env = _env(site)
     tool_args = ["multi_turn.tools=[lookup]", f"multi_turn.tool_config.lookup.log_path={log}"]
     out = user / "run"
-    _run([str(BIN / "otb-tir-train"), "--model", str(policy), *TRAIN, f"trainer.output_dir={out}", *tool_args],
-         user, env)
+    _run(
+        [str(BIN / "otb-tir-train"), "--model", str(policy), *TRAIN, f"trainer.output_dir={out}", *tool_args], user, env
+    )
     row = _train_metrics(out)
     summary = json.loads((out / "summary.json").read_text())
     calls = [r for r in _log(log) if r["event"] == "call"]
@@ -216,15 +276,42 @@ def test_stateful_plugin_gets_one_session_per_trajectory_in_training_torchrun_an
     log = user / "sessions.jsonl"
     tools_yaml = _yaml(user, log, stateful=True)
     env = _env(user / "code")
-    _run([sys.executable, "-m", "otb_tir.train", "--model", str(policy), *TRAIN, f"trainer.output_dir={user / 'a'}",
-          f"multi_turn.tool_config_path={tools_yaml}"], user, env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "otb_tir.train",
+            "--model",
+            str(policy),
+            *TRAIN,
+            f"trainer.output_dir={user / 'a'}",
+            f"multi_turn.tool_config_path={tools_yaml}",
+        ],
+        user,
+        env,
+    )
     _check_one_session_per_trajectory(_sessions(log), 2 * 2 + 2)  # training rollouts + after-eval
     assert _train_metrics(user / "a")["tools/success_rate"] == 1.0
 
     log.unlink()
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "otb_tir.train",
-          "--model", str(policy), *TRAIN, f"trainer.output_dir={user / 'b'}",
-          f"multi_turn.tool_config_path={tools_yaml}"], user, env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "otb_tir.train",
+            "--model",
+            str(policy),
+            *TRAIN,
+            f"trainer.output_dir={user / 'b'}",
+            f"multi_turn.tool_config_path={tools_yaml}",
+        ],
+        user,
+        env,
+    )
     by = _sessions(log)
     _check_one_session_per_trajectory(by, 2 * 2 + 2)
     pids = Counter(events[0]["pid"] for events in by.values())
@@ -232,8 +319,20 @@ def test_stateful_plugin_gets_one_session_per_trajectory_in_training_torchrun_an
     assert _train_metrics(user / "b")["tools/success_rate"] == 1.0
 
     log.unlink()
-    _run([sys.executable, "-m", "otb_tir.eval", "--model", str(policy), *EVAL, f"output.dir={user / 'eval'}",
-          f"multi_turn.tool_config_path={tools_yaml}"], user, env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "otb_tir.eval",
+            "--model",
+            str(policy),
+            *EVAL,
+            f"output.dir={user / 'eval'}",
+            f"multi_turn.tool_config_path={tools_yaml}",
+        ],
+        user,
+        env,
+    )
     _check_one_session_per_trajectory(_sessions(log), 2 * 2)
 
 
@@ -241,15 +340,27 @@ def test_bad_tool_config_stops_at_start_with_the_reason(policy, user):
     env = _env(user / "code")
     bad = user / "bad.yaml"
     bad.write_text("tools:\n  - class_name: lookup_plugn.Lookup\n")
-    for cmd, what in [(["-m", "otb_tir.train", f"trainer.output_dir={user / 'r'}"], "train"),
-                      (["-m", "otb_tir.eval", f"output.dir={user / 'e'}"], "eval")]:
-        for extra, match in [([f"multi_turn.tool_config_path={bad}"], "cannot import module 'lookup_plugn'"),
-                             (["multi_turn.tools=[]"], "yields no tools"),
-                             (["multi_turn.tools=[lookup]"], "unknown tool 'lookup'"),
-                             (["multi_turn.tool_config.python.timeout=1", "multi_turn.tools=[calculator]"],
-                              "settings for \\['python'\\]")]:
-            proc = subprocess.run([sys.executable, *cmd, "--model", str(policy), *extra], cwd=user, env=env,
-                                  capture_output=True, text=True, timeout=300)
+    for cmd, what in [
+        (["-m", "otb_tir.train", f"trainer.output_dir={user / 'r'}"], "train"),
+        (["-m", "otb_tir.eval", f"output.dir={user / 'e'}"], "eval"),
+    ]:
+        for extra, match in [
+            ([f"multi_turn.tool_config_path={bad}"], "cannot import module 'lookup_plugn'"),
+            (["multi_turn.tools=[]"], "yields no tools"),
+            (["multi_turn.tools=[lookup]"], "unknown tool 'lookup'"),
+            (
+                ["multi_turn.tool_config.python.timeout=1", "multi_turn.tools=[calculator]"],
+                "settings for \\['python'\\]",
+            ),
+        ]:
+            proc = subprocess.run(
+                [sys.executable, *cmd, "--model", str(policy), *extra],
+                cwd=user,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert proc.returncode == 2, (what, extra, proc.stderr[-2000:])
             import re
 
@@ -280,11 +391,25 @@ def test_user_plugins_under_verls_agent_loop_worker(policy, user, monkeypatch, t
     else:
         monkeypatch.syspath_prepend(str(_install_entry_point_dist(user)))
         tool_args = ["multi_turn.tools=[lookup]", f"multi_turn.tool_config.lookup.log_path={log}"]
-    cfg = load_config(None, [
-        f"model.path={policy}", "trainer=verl", "rollout.name=vllm", f"trainer.output_dir={tmp_path / 'verl'}",
-        "data.train_size=6", "data.val_size=2", "rollout.n=2", "data.train_batch_size=2",
-        "actor.ppo_mini_batch_size=2", "rollout.response_length=192", "rollout.max_tokens_per_turn=48",
-        "multi_turn.max_assistant_turns=3", "trainer.n_gpus_per_node=1", *tool_args])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={policy}",
+            "trainer=verl",
+            "rollout.name=vllm",
+            f"trainer.output_dir={tmp_path / 'verl'}",
+            "data.train_size=6",
+            "data.val_size=2",
+            "rollout.n=2",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.response_length=192",
+            "rollout.max_tokens_per_turn=48",
+            "multi_turn.max_assistant_turns=3",
+            "trainer.n_gpus_per_node=1",
+            *tool_args,
+        ],
+    )
     vcfg = compose_verl_config(cfg)
     validate_verl_config(vcfg)
 

@@ -33,8 +33,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOOKUP_SCHEMA", "LOOKUP_CALL", "ToolCallerSettings", "tool_caller_policy", "lookup_tool",
-           "check_tool_caller", "lookup_call_figures"]
+__all__ = [
+    "LOOKUP_SCHEMA",
+    "LOOKUP_CALL",
+    "ToolCallerSettings",
+    "tool_caller_policy",
+    "lookup_tool",
+    "check_tool_caller",
+    "lookup_call_figures",
+]
 
 #: Bump when the build changes in a way the cache key (settings, schema, texts, base) misses.
 BUILD_VERSION = 1
@@ -150,30 +157,44 @@ def lookup_call_figures(trajectories) -> dict[str, Any]:
             turns += 1
             calls = tr.tool_calls
             ok = bool(calls) and all(
-                c.name == "lookup" and c.error is None and isinstance(c.arguments.get("query"), str)
-                for c in calls)
+                c.name == "lookup" and c.error is None and isinstance(c.arguments.get("query"), str) for c in calls
+            )
             good += ok
             if not ok and len(bad) < 3:
                 bad.append(tr.text)
     episodes = len(trajectories)
-    return {"episodes": episodes, "turns": turns, "turns_calling_lookup": good,
-            "call_rate": good / turns if turns else 0.0, "finish_reasons": finish,
-            "max_turns_rate": finish.get("max_turns", 0) / episodes if episodes else 0.0,
-            "bad_turns": bad}
+    return {
+        "episodes": episodes,
+        "turns": turns,
+        "turns_calling_lookup": good,
+        "call_rate": good / turns if turns else 0.0,
+        "finish_reasons": finish,
+        "max_turns_rate": finish.get("max_turns", 0) / episodes if episodes else 0.0,
+        "bad_turns": bad,
+    }
 
 
-def check_tool_caller(model, tokenizer, *, episodes: int = 16, temperature: float = 1.0, seed: int = 0,
-                      max_assistant_turns: int = 3, reply: str = "note {n}") -> dict[str, Any]:
+def check_tool_caller(
+    model,
+    tokenizer,
+    *,
+    episodes: int = 16,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_assistant_turns: int = 3,
+    reply: str = "note {n}",
+) -> dict[str, Any]:
     """Run ``episodes`` real episodes (held-out prompts, a ``lookup`` tool answering ``reply``)
     with an :class:`~agent_env.engines.hf.HFEngine` over ``model`` and return
     :func:`lookup_call_figures` of them."""
     from agent_env import AgentEnv, EpisodeConfig
-    from agent_env.math_task.data import make_split
     from agent_env.engines.hf import HFEngine
+    from agent_env.math_task.data import make_split
     from agent_env.rollout import rollout_async, run_sync
 
-    cfg = EpisodeConfig(max_assistant_turns=max_assistant_turns, response_length=192,
-                        max_tokens_per_turn=48, temperature=temperature)
+    cfg = EpisodeConfig(
+        max_assistant_turns=max_assistant_turns, response_length=192, max_tokens_per_turn=48, temperature=temperature
+    )
     env = AgentEnv(tokenizer, tools=[lookup_tool(reply)], config=cfg)
     engine = HFEngine(model, tokenizer, share_weights=True, seed=seed, stop_at_eos=False)
     prompts = make_split("test", episodes, seed=seed)
@@ -223,8 +244,15 @@ def tool_caller_policy(cache_root: Path | None = None, *, settings: ToolCallerSe
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         convs = training_conversations(s.n_conversations, seed=s.seed, turns=s.turns)
         examples = [tokenize_conversation(tokenizer, m, tools=[LOOKUP_SCHEMA]) for m in convs]
-        sft = SFTConfig(steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
-                        min_lr_ratio=s.min_lr_ratio, seed=s.seed, progress=False)
+        sft = SFTConfig(
+            steps=s.steps,
+            batch_size=s.batch_size,
+            lr=s.lr,
+            warmup_steps=s.warmup_steps,
+            min_lr_ratio=s.min_lr_ratio,
+            seed=s.seed,
+            progress=False,
+        )
         state = torch.random.get_rng_state()
         try:
             losses = sft_train(model, examples, tokenizer.pad_token_id, sft)
@@ -233,20 +261,32 @@ def tool_caller_policy(cache_root: Path | None = None, *, settings: ToolCallerSe
         t1 = time.perf_counter()
         checks = {}
         for temperature in (0.0, 1.0):
-            figures = check_tool_caller(model, tokenizer, episodes=s.check_episodes, temperature=temperature,
-                                        seed=s.seed, max_assistant_turns=s.turns)
+            figures = check_tool_caller(
+                model,
+                tokenizer,
+                episodes=s.check_episodes,
+                temperature=temperature,
+                seed=s.seed,
+                max_assistant_turns=s.turns,
+            )
             checks[str(temperature)] = figures
             if figures["call_rate"] < 1.0 or figures["max_turns_rate"] < 1.0:
                 raise RuntimeError(
                     f"the tool-caller policy does not call 'lookup' on every turn at temperature {temperature}: "
                     f"{figures['turns_calling_lookup']}/{figures['turns']} turns, finish reasons "
                     f"{figures['finish_reasons']}, e.g. {figures['bad_turns']!r} (final SFT loss "
-                    f"{sum(losses[-10:]) / len(losses[-10:]):.4f}); retune ToolCallerSettings")
+                    f"{sum(losses[-10:]) / len(losses[-10:]):.4f}); retune ToolCallerSettings"
+                )
         t2 = time.perf_counter()
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         logger.info("tool-caller policy cached in %s (training %.1f s, check %.1f s)", final, t1 - t0, t2 - t1)
-        return {"losses": losses, "checks": checks, "train_seconds": t1 - t0, "check_seconds": t2 - t1,
-                "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples)}
+        return {
+            "losses": losses,
+            "checks": checks,
+            "train_seconds": t1 - t0,
+            "check_seconds": t2 - t1,
+            "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples),
+        }
 
     return publish(final, _MARKER, build, {"key": key | {"base_config": None}})

@@ -15,8 +15,11 @@ import os
 
 from tools import Tool, ToolResult
 
-SCHEMA = {"type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}},
-          "required": ["query"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"query": {"type": "string", "description": "what to look up"}},
+    "required": ["query"],
+}
 
 
 def _log(path, **record):
@@ -56,8 +59,14 @@ class SessionLookup:
 
     async def execute(self, instance_id, parameters, **kwargs):
         self.state[instance_id] += 1
-        _log(self.log_path, event="call", cls="SessionLookup", session_id=instance_id, args=parameters,
-             n=self.state[instance_id])
+        _log(
+            self.log_path,
+            event="call",
+            cls="SessionLookup",
+            session_id=instance_id,
+            args=parameters,
+            n=self.state[instance_id],
+        )
         return f"call {self.state[instance_id]}", 0.0, {}
 
     async def release(self, instance_id, **kwargs):
