@@ -31,9 +31,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in generator
-    val_files: list[str] = field(
-        default_factory=list
-    )  # verl-format parquet of held-out problems; empty → built-in held-out split
+    # verl-format parquet of held-out problems; empty → built-in held-out split
+    val_files: list[str] = field(default_factory=list)
     train_size: int = 4000  # built-in generator only
     val_size: int = 100  # built-in generator only: held-out problems generated
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
@@ -64,9 +63,8 @@ class MultiTurnConfig:
     # calculator] unless a tools YAML is given. `tool_config`: keyword settings per name, e.g.
     # {python: {timeout: 5}}. `tool_config_path`: a verl-style tools YAML whose tools are added to `tools`.
     tools: list[str] | None = None
-    tool_config: dict[str, Any] = field(
-        default_factory=dict
-    )  # keyword settings per tool name, e.g. {python: {timeout: 5}}
+    # keyword settings per tool name, e.g. {python: {timeout: 5}}
+    tool_config: dict[str, Any] = field(default_factory=dict)
     tool_config_path: str | None = None  # a verl-style tools YAML; its tools are added to `tools`
     tool_timeout: float = 5.0  # seconds a tool call may take before it answers a timeout error
 
@@ -129,9 +127,8 @@ class TrainerConfig:
     total_steps: int = 20  # RL steps
     seed: int = 0  # seed of sampling, data order and initialisation
     device: str = "auto"  # auto | cpu | cuda
-    output_dir: str = (
-        "runs/tir_math"  # run folder: summary.json, metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/
-    )
+    # run folder: summary.json, metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/
+    output_dir: str = "runs/tir_math"
     save_every: int = 5  # checkpoint every N steps and at the end (0 = never)
     keep_checkpoints: int = 2  # checkpoints kept (older ones are pruned)
     resume: bool = False  # continue from the run folder's last checkpoint (--resume)
