@@ -2,7 +2,8 @@
 process with no isolation (``unisolated``, an explicit opt-in).
 
 A backend turns the worker's JSON config into an argv. All three run the same
-``tools/sandbox/worker.py`` and speak the same framed protocol over stdin/stdout.
+``tools/sandbox/worker.py`` (with its sibling modules, ``WORKER_FILES``) and speak the same framed
+protocol over stdin/stdout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ log = logging.getLogger(__name__)
 
 WORKER_PATH = str(Path(__file__).with_name("worker.py"))
 SANDBOX_WORKER_PATH = "/opt/otb_sandbox/worker.py"
+# (host path, path in the sandbox) of every file the worker loads: worker.py first, then the
+# sibling modules it loads by path from its own directory; each is mounted read-only, nothing else
+# of the otb-tir tree is
+WORKER_FILES = [(WORKER_PATH, SANDBOX_WORKER_PATH)] + [
+    (str(Path(__file__).with_name(name)), str(Path(SANDBOX_WORKER_PATH).with_name(name)))
+    for name in ("worker_child.py", "worker_seccomp.py", "worker_snippet.py",
+                 "worker_prefault.py", "worker_profile.py")]
 SCRATCH = "/tmp/scratch"
 # capabilities the (trusted) worker keeps inside bubblewrap, to drop its children to their uid,
 # kill their leftovers and wipe their scratch; children lose all of them at setuid
@@ -193,8 +201,9 @@ class BwrapBackend(Backend):
             cmd += ["--perms", "0711", "--dir", d]
         for p in binds:
             cmd += ["--ro-bind", p, p]
-        cmd += ["--ro-bind", WORKER_PATH, SANDBOX_WORKER_PATH,
-                "--proc", "/proc", "--dev", "/dev",
+        for host, inside in WORKER_FILES:
+            cmd += ["--ro-bind", host, inside]
+        cmd += ["--proc", "/proc", "--dev", "/dev",
                 "--chdir", "/tmp",
                 self.python, "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]
         return cmd
@@ -209,7 +218,7 @@ class DockerBackend(Backend):
     its own unprivileged uid (as under bubblewrap): a snippet can then neither read the worker's
     /proc entries nor touch its protocol pipes, and RLIMIT_NPROC caps it. The image
     (``python -m tools.sandbox.docker_image`` builds it locally) holds Python and numpy / sympy /
-    pyseccomp; the worker is bind-mounted read-only."""
+    pyseccomp; the worker's files are bind-mounted read-only."""
 
     name: str = "docker"
     level: str = ("docker container (--network none, read-only root, capabilities dropped but the worker's six) "
@@ -243,7 +252,7 @@ class DockerBackend(Backend):
                 "--user", self.user,
                 "-e", "OPENBLAS_NUM_THREADS=1", "-e", "OMP_NUM_THREADS=1",
                 "-e", f"HOME={SCRATCH}", "-w", "/tmp",
-                "-v", f"{WORKER_PATH}:{SANDBOX_WORKER_PATH}:ro",
+                *[a for host, inside in WORKER_FILES for a in ("-v", f"{host}:{inside}:ro")],
                 *self.extra_args,
                 "--entrypoint", self.container_python, self.image,
                 "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]

@@ -5,7 +5,8 @@ runs otb-tir (at the same absolute path, so it finds its standard library as it 
 host), the shared libraries it and the preloaded modules link against (``ldd``), the standard
 library without its test suite, and the preloaded packages (numpy, sympy, mpmath, pyseccomp +
 libseccomp) — and loaded with ``docker import``. The sandbox worker itself is not in the image:
-the backend bind-mounts ``tools/sandbox/worker.py`` read-only, so image and worker never drift.
+the backend bind-mounts ``tools/sandbox/worker.py`` and its sibling modules
+(``backends.WORKER_FILES``) read-only, so image and worker never drift.
 
     python -m tools.sandbox.docker_image              # build otb-tir/sandbox:py311 (if missing)
     python -m tools.sandbox.docker_image --force      # rebuild

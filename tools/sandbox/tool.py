@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 _NONDETERMINISTIC = re.compile(r"random|time|uuid|urandom|secrets|getpid|input\s*\(|environ|"
                                r"listdir|scandir|glob|open\s*\(")
 
-# performance switches of tools/sandbox/worker.py (benchmarks/bench_sandbox.py compares them)
+# performance switches of the sandbox worker (benchmarks/bench_sandbox.py compares them): raw_fork
+# and thp in tools/sandbox/worker_child.py; the opt-in prefault and profile are the separate
+# modules worker_prefault.py and worker_profile.py, which the worker loads only when asked
 WORKER_OPTIONS = {"raw_fork": "fork with libc's fork(), skipping CPython's at-fork hooks",
                   "thp": "back the worker's heap with transparent huge pages (cheaper fork/exit)",
                   "prefault": "off by default: idle spares pre-copy the pages sympy/numpy "
@@ -70,7 +72,7 @@ class PythonTool(Tool):
     ``image`` (docker image), ``debug`` (worker stderr to the trainer's stderr),
     ``worker_options`` (performance switches of the fork server; none changes what a snippet may
     do: ``raw_fork`` and ``thp`` default on, ``prefault`` off; ``profile`` adds per-call timings
-    to the worker's replies; see the README, "Python sandbox: the fast path").
+    to the worker's replies; see docs/tools.md, "Python sandbox: the fast path").
 
     Output: stdout and stderr interleaved as a terminal shows them; a traceback keeps only the
     snippet's own frames; when the last statement is a bare expression its ``repr`` is printed
