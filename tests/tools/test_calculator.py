@@ -1,38 +1,91 @@
 """The sympy calculator: canonical answers checked against independent oracles (fractions,
-math, brute force), pathological input stopped by the worker's time/memory limits, injection
-attempts refused, and the worker process surviving faults."""
+math, brute force), pathological input stopped by the sandbox's time/memory limits, injection
+attempts refused, and a crash or a killed sandbox process answered with an error while the
+caller goes on."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import builtins
+import json
 import math
 import os
 import signal
 import time
 from fractions import Fraction
+from importlib.util import MAGIC_NUMBER
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import tools.calculator
 from tools import ErrorKind, ToolError, get_tool
-from tools.calculator import CalculatorTool, _CLIENT, calculate, shutdown_worker
+from tools.calculator import CalculatorTool, calculate, snippet
+
+# one event loop for the module: the sandbox workers a tool started stay usable between calls
+RUNNER = asyncio.Runner()
 
 
 def run(coro):
-    return asyncio.run(coro)
+    return RUNNER.run(coro)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_runner():
+    yield
+    RUNNER.close()
 
 
 @pytest.fixture(scope="module")
 def calc() -> CalculatorTool:
     tool = get_tool("calculator", timeout=3)
     run(tool.start())
-    return tool
+    yield tool
+    run(tool.close())
+
+
+@pytest.fixture
+def make_tool():
+    """CalculatorTool(**config), closed after the test."""
+    made = []
+
+    def make(**config):
+        made.append(CalculatorTool(**config))
+        return made[-1]
+
+    yield make
+    for tool in made:
+        run(tool.close())
 
 
 def ask(tool, expression: str):
     return run(tool.invoke({"expression": expression}))
+
+
+def sandbox_processes() -> set[int]:
+    """Pids of this process's descendants that run the sandbox worker (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(name))
+    found, todo = set(), [os.getpid()]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"worker.py" in f.read():
+                        found.add(pid)
+            except OSError:
+                pass
+    return found
 
 
 # ------------------------------------------------------------------------ canonical answers
@@ -173,25 +226,29 @@ def test_irrational_roots_come_with_an_approximation(n):
 
 # ------------------------------------------------------------------------ limits and faults
 
-@pytest.mark.parametrize("expression", ["9**9**9**9", "factorial(10**10)"])
-def test_pathological_input_times_out_and_the_tool_recovers(expression):
-    tool = CalculatorTool(timeout=1)
+@pytest.mark.parametrize("expression", ["9**9**9**9", "factorial(10**10)",
+                                        "factorint(nextprime(10**60) * nextprime(10**70))"])
+def test_pathological_input_times_out_and_the_tool_recovers(make_tool, expression):
+    tool = make_tool(timeout=1)
+    run(tool.start())
+    started = time.monotonic()
     result = ask(tool, expression)
     assert (result.ok, result.error) == (False, ErrorKind.TIMEOUT)
     assert "took longer than 1 s" in result.text
+    assert time.monotonic() - started < 6  # stopped at the timeout, not whenever sympy finishes
     assert ask(tool, "1 + 1").text == "2"
 
 
-def test_memory_limit():
-    result = ask(CalculatorTool(timeout=20, memory_mb=256), "N(1/3, 10**10)")  # a 4 GB mantissa
+def test_memory_limit(make_tool):
+    result = ask(make_tool(timeout=20, memory_mb=256), "N(1/3, 10**10)")  # a 4 GB mantissa
     assert (result.ok, result.error) == (False, ErrorKind.MEMORY), result
 
 
-def test_result_size_cap():
-    result = ask(CalculatorTool(max_result_chars=200), "expand((x+1)**60)")
+def test_result_size_cap(make_tool):
+    result = ask(make_tool(max_result_chars=200), "expand((x+1)**60)")
     assert result.ok and result.error == ErrorKind.OUTPUT_CUT
     assert "[result cut:" in result.text and len(result.text) < 260
-    assert ask(CalculatorTool(max_expression_chars=10), "1+1+1+1+1+1+1").error == ErrorKind.BAD_ARGUMENTS
+    assert ask(make_tool(max_expression_chars=10), "1+1+1+1+1+1+1").error == ErrorKind.BAD_ARGUMENTS
 
 
 INJECTIONS = [
@@ -267,32 +324,81 @@ def test_concurrent_calls(calc):
     assert [r.text for r in results] == [fraction_text(Fraction(i, 7) + Fraction(i, 3)) for i in range(48)]
 
 
-def test_worker_killed_mid_call_gives_an_error_then_restarts(calc):
-    async def scenario():
-        slow = asyncio.ensure_future(CalculatorTool(timeout=30).invoke({"expression": "factorial(10**10)"}))
-        for _ in range(200):  # wait until the worker has the request
-            await asyncio.sleep(0.02)
-            if _CLIENT._pending:
-                break
-        os.kill(_CLIENT.pid, signal.SIGKILL)
-        return await asyncio.wait_for(slow, 20)
+def test_evaluation_runs_in_the_sandbox(calc):
+    """The tool does not evaluate in this process: the sandbox's process ids answer."""
+    assert ask(calc, "1+1").text == "2"
+    assert sandbox_processes()
+    assert "bubblewrap" in calc.isolation
 
-    restarts = _CLIENT.restarts
-    result = run(scenario())
-    assert (result.ok, result.error) == (False, ErrorKind.SANDBOX)
-    assert "worker stopped" in result.text
+
+def test_a_crash_of_the_evaluating_process_is_an_error_and_the_caller_goes_on(calc, monkeypatch):
+    monkeypatch.setattr(tools.calculator, "snippet",
+                        lambda expression, max_chars: "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    result = ask(calc, "2+2")
+    assert (result.ok, result.error) == (False, ErrorKind.RUNTIME), result
+    assert result.text.startswith("Error: the evaluation crashed") and "SIGSEGV" in result.text
+    monkeypatch.undo()
     assert ask(calc, "6*7").text == "42"
-    assert _CLIENT.restarts == restarts + 1
 
 
-def test_shutdown_leaves_no_worker():
-    tool = CalculatorTool()
+def test_sandbox_killed_mid_call_gives_a_timely_answer_then_recovers(make_tool):
+    before = sandbox_processes()
+    tool = make_tool(timeout=2, workers=1)
+    run(tool.start())
+    ours = sandbox_processes() - before
+    assert ours
+
+    async def scenario():
+        slow = asyncio.ensure_future(tool.invoke({"expression": "factorial(10**10)"}))
+        await asyncio.sleep(0.5)
+        for pid in ours:
+            os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(slow, 30)
+
+    started = time.monotonic()
+    result = run(scenario())
+    # the sandbox runs the call again on a fresh worker, where it times out as it should
+    assert (result.ok, result.error) in ((False, ErrorKind.TIMEOUT), (False, ErrorKind.SANDBOX)), result
+    assert time.monotonic() - started < 20
+    assert ask(tool, "6*7").text == "42"
+
+
+def test_close_leaves_no_process(make_tool):
+    before = sandbox_processes()
+    tool = make_tool()
     assert ask(tool, "1+2").text == "3"
-    pid = _CLIENT.pid
-    shutdown_worker()
-    assert _CLIENT.pid is None
-    with pytest.raises(ProcessLookupError):
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.01)
-    assert ask(tool, "2+2").text == "4"  # restarts on demand
+    assert sandbox_processes() - before
+    run(tool.close())
+    deadline = time.monotonic() + 5
+    while sandbox_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sandbox_processes() - before
+    assert ask(tool, "2+2").error == ErrorKind.SANDBOX  # closed: an error, no hang, no new process
+    run(tool.start())
+    assert ask(tool, "2+2").text == "4"
+
+
+def test_evaluator_is_runnable_inside_the_sandbox():
+    """tools/calculator_eval.py runs where the otb-tir packages are not importable: stdlib and
+    sympy only; its error kinds are ErrorKind names."""
+    source = open(tools.calculator.calculator_eval.__file__, encoding="utf-8").read()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= {"__future__", "ast", "functools", "json", "operator", "re", "typing", "sympy"}, imported
+    kinds = {n.args[0].value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "CalcError" and isinstance(n.args[0], ast.Constant)}
+    assert kinds and all(isinstance(getattr(ErrorKind, k, None), str) for k in kinds), kinds
+
+
+@pytest.mark.parametrize("bytecode", [True, False])
+def test_snippet_defines_the_evaluator_from_bytecode_or_source(bytecode, capsys):
+    code = snippet("x**2 - 4 = 0", 2000)
+    if not bytecode:  # a sandbox interpreter whose bytecode differs from this one's
+        assert repr(MAGIC_NUMBER) in code
+        code = code.replace(repr(MAGIC_NUMBER), repr(b"other"))
+    exec(compile(code, "<snippet>", "exec"), {"__name__": "__main__"})  # noqa: S102 - our own snippet
+    assert json.loads(capsys.readouterr().out) == [True, None, "x = -2, x = 2"]
