@@ -34,7 +34,7 @@ MAX_INTEGER_DIGITS = 1000  # longer integers are reported as a digit count and a
 
 
 class CalcError(Exception):
-    """An expression the calculator refuses or cannot evaluate; ``kind`` is an ErrorKind."""
+    """An expression the calculator refuses or cannot evaluate; ``kind`` names an ErrorKind attribute."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
