@@ -37,8 +37,10 @@ from tqdm import tqdm
 from tools.sandbox import PythonTool
 
 TRIVIAL = "print(sum(range(1000)))"
-HEAVY = ("import numpy as np\nimport sympy as sp\nx = sp.Symbol('x')\n"
-         "print(sp.factor(x**4 - 1), round(float(np.linalg.det(np.eye(4) * 2)), 6))")
+HEAVY = (
+    "import numpy as np\nimport sympy as sp\nx = sp.Symbol('x')\n"
+    "print(sp.factor(x**4 - 1), round(float(np.linalg.det(np.eye(4) * 2)), 6))"
+)
 EXPECTED = {TRIVIAL: "499500", HEAVY: "(x - 1)*(x + 1)*(x**2 + 1) 16.0"}
 SNIPPETS = {"trivial": TRIVIAL, "numpy+sympy": HEAVY}
 _TCK = os.sysconf("SC_CLK_TCK")
@@ -56,7 +58,7 @@ def _proc_cpu_s(pid: int) -> float:
             stat = f.read()
     except OSError:
         return 0.0
-    rest = stat[stat.rindex(b")") + 2:].split()
+    rest = stat[stat.rindex(b")") + 2 :].split()
     return sum(int(x) for x in rest[11:15]) / _TCK
 
 
@@ -69,7 +71,7 @@ def _tree(pid: int) -> list[int]:
                     stat = f.read()
             except OSError:
                 continue
-            kids.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(name))
+            kids.setdefault(int(stat[stat.rindex(b")") + 2 :].split()[1]), []).append(int(name))
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -105,9 +107,12 @@ class Acc:
     cpu_calls: int = 0
 
     def row(self) -> dict[str, float]:
-        return {"p50": statistics.median(self.lat), "p95": pct(self.lat, 0.95),
-                "cps": self.calls / self.wall if self.wall else float("nan"),
-                "cpu_ms": 1000 * self.cpu / self.cpu_calls if self.cpu_calls else float("nan")}
+        return {
+            "p50": statistics.median(self.lat),
+            "p95": pct(self.lat, 0.95),
+            "cps": self.calls / self.wall if self.wall else float("nan"),
+            "cpu_ms": 1000 * self.cpu / self.cpu_calls if self.cpu_calls else float("nan"),
+        }
 
 
 def check(r, code: str, who: str) -> None:
@@ -115,8 +120,7 @@ def check(r, code: str, who: str) -> None:
         raise SystemExit(f"{who} returned a wrong result: {r}")
 
 
-async def sandbox_round(tool: PythonTool, code: str, n_seq: int, n_conc: int, conc: int,
-                        acc: Acc) -> None:
+async def sandbox_round(tool: PythonTool, code: str, n_seq: int, n_conc: int, conc: int, acc: Acc) -> None:
     for _ in range(n_seq):
         t0 = time.perf_counter()
         r = await tool.call({"code": code})
@@ -145,8 +149,7 @@ async def settle(tool: PythonTool) -> None:
     """Wait until every worker is back in the pool's idle queue (its cleanup is done)."""
     pool = tool.pool
     for _ in range(2000):
-        if pool._idle is not None and pool._idle.qsize() == len(pool.workers) \
-                and not pool._respawns:
+        if pool._idle is not None and pool._idle.qsize() == len(pool.workers) and not pool._respawns:
             return
         await asyncio.sleep(0.002)
 
@@ -171,8 +174,7 @@ def bench_reference(code: str, n: int, conc: int) -> dict[str, float]:
     wall = time.perf_counter() - t0
     c1 = os.times()
     cpu = sum(c1[:4]) - sum(c0[:4])  # this process + its reaped children
-    return {"p50": statistics.median(lat), "p95": pct(lat, 0.95), "cps": total / wall,
-            "cpu_ms": 1000 * cpu / total}
+    return {"p50": statistics.median(lat), "p95": pct(lat, 0.95), "cps": total / wall, "cpu_ms": 1000 * cpu / total}
 
 
 def make_tool(variant: str, backend: str, workers: int) -> PythonTool:
@@ -188,25 +190,27 @@ def make_tool(variant: str, backend: str, workers: int) -> PythonTool:
     elif variant.startswith("backend="):  # e.g. backend=docker beside the default bubblewrap
         backend = variant.split("=", 1)[1]
     else:
-        raise SystemExit(f"unknown variant {variant!r}: "
-                         "default, no_raw_fork, no_thp, prefault, workers=K, backend=NAME")
-    return PythonTool(backend=backend, workers=workers, cache=False, timeout=30,
-                      worker_options=opts)
+        raise SystemExit(
+            f"unknown variant {variant!r}: default, no_raw_fork, no_thp, prefault, workers=K, backend=NAME"
+        )
+    return PythonTool(backend=backend, workers=workers, cache=False, timeout=30, worker_options=opts)
 
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=300, help="sequential calls per sandbox case")
-    ap.add_argument("--conc-n", type=int, default=None,
-                    help="concurrent calls per sandbox case (default: --n)")
+    ap.add_argument("--conc-n", type=int, default=None, help="concurrent calls per sandbox case (default: --n)")
     ap.add_argument("--ref-n", type=int, default=40, help="sequential calls, trivial reference")
     ap.add_argument("--ref-heavy-n", type=int, default=8, help="calls, numpy+sympy reference")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--variants", default="default",
-                    help="comma-separated: default, no_raw_fork, no_thp, prefault, workers=K, "
-                         "backend=docker (the docker backend beside the default)")
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="comma-separated: default, no_raw_fork, no_thp, prefault, workers=K, "
+        "backend=docker (the docker backend beside the default)",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="interleaving rounds")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -231,44 +235,56 @@ async def main() -> None:
     info = {v: (t.backend.name, t.isolation, len(t.pool.workers)) for v, t in tools.items()}
     for tool in tools.values():
         await tool.close()
-    ref = {"trivial": bench_reference(TRIVIAL, args.ref_n, args.concurrency),
-           "numpy+sympy": bench_reference(HEAVY, args.ref_heavy_n, args.concurrency)}
+    ref = {
+        "trivial": bench_reference(TRIVIAL, args.ref_n, args.concurrency),
+        "numpy+sympy": bench_reference(HEAVY, args.ref_heavy_n, args.concurrency),
+    }
 
     v0 = variants[0]
     name, level, _ = info[v0]
-    print(f"\nsandbox backend: {name} ({level}); concurrency {args.concurrency}; "
-          f"{rounds} interleaved rounds; cpu = CPU ms per call (trainer + sandbox processes)")
+    print(
+        f"\nsandbox backend: {name} ({level}); concurrency {args.concurrency}; "
+        f"{rounds} interleaved rounds; cpu = CPU ms per call (trainer + sandbox processes)"
+    )
     print(f"{'runner':<26}{'snippet':<14}{'p50 ms':>9}{'p95 ms':>9}{'calls/s':>9}{'cpu ms':>9}")
     for v in variants:
         label = f"sandbox[{v}, {info[v][2]}w]"
         for s in SNIPPETS:
             row = accs[(v, s)].row()
-            print(f"{label:<26}{s:<14}{row['p50']:>9.2f}{row['p95']:>9.2f}{row['cps']:>9.1f}"
-                  f"{row['cpu_ms']:>9.2f}")
+            print(f"{label:<26}{s:<14}{row['p50']:>9.2f}{row['p95']:>9.2f}{row['cps']:>9.1f}{row['cpu_ms']:>9.2f}")
         print(f"{'':<26}(started in {start_s[v]:.2f} s)")
     for s, row in ref.items():
-        print(f"{'subprocess':<26}{s:<14}{row['p50']:>9.2f}{row['p95']:>9.2f}{row['cps']:>9.1f}"
-              f"{row['cpu_ms']:>9.2f}")
+        print(f"{'subprocess':<26}{s:<14}{row['p50']:>9.2f}{row['p95']:>9.2f}{row['cps']:>9.1f}{row['cpu_ms']:>9.2f}")
     s_t, s_h = accs[(v0, "trivial")].row(), accs[(v0, "numpy+sympy")].row()
     r_t, r_h = ref["trivial"], ref["numpy+sympy"]
     thr_ratio = s_t["cps"] / r_t["cps"]
-    print(f"\n[{v0}] throughput ratio sandbox/subprocess: trivial {thr_ratio:.1f}x, "
-          f"numpy+sympy {s_h['cps'] / r_h['cps']:.1f}x")
-    print(f"[{v0}] latency ratio subprocess/sandbox (p50): trivial {r_t['p50'] / s_t['p50']:.1f}x, "
-          f"numpy+sympy {r_h['p50'] / s_h['p50']:.1f}x")
-    print(f"[{v0}] CPU per call subprocess/sandbox: trivial {r_t['cpu_ms'] / s_t['cpu_ms']:.1f}x, "
-          f"numpy+sympy {r_h['cpu_ms'] / s_h['cpu_ms']:.1f}x")
+    print(
+        f"\n[{v0}] throughput ratio sandbox/subprocess: trivial {thr_ratio:.1f}x, "
+        f"numpy+sympy {s_h['cps'] / r_h['cps']:.1f}x"
+    )
+    print(
+        f"[{v0}] latency ratio subprocess/sandbox (p50): trivial {r_t['p50'] / s_t['p50']:.1f}x, "
+        f"numpy+sympy {r_h['p50'] / s_h['p50']:.1f}x"
+    )
+    print(
+        f"[{v0}] CPU per call subprocess/sandbox: trivial {r_t['cpu_ms'] / s_t['cpu_ms']:.1f}x, "
+        f"numpy+sympy {r_h['cpu_ms'] / s_h['cpu_ms']:.1f}x"
+    )
     for v in variants[1:]:
         a, b = accs[(v0, "trivial")].row(), accs[(v, "trivial")].row()
         ah, bh = accs[(v0, "numpy+sympy")].row(), accs[(v, "numpy+sympy")].row()
-        print(f"[{v} vs {v0}] trivial: p50 {b['p50'] / a['p50']:.2f}x, calls/s "
-              f"{b['cps'] / a['cps']:.2f}x, cpu/call {b['cpu_ms'] / a['cpu_ms']:.2f}x; "
-              f"numpy+sympy: p50 {bh['p50'] / ah['p50']:.2f}x, cpu/call "
-              f"{bh['cpu_ms'] / ah['cpu_ms']:.2f}x")
-    checks = [("trivial p50 <= 6 ms", s_t["p50"] <= 6.0),
-              ("trivial >= 150 calls/s", s_t["cps"] >= 150.0),
-              ("numpy+sympy p50 <= 10 ms", s_h["p50"] <= 10.0),
-              (">= 3x subprocess throughput (trivial)", thr_ratio >= 3.0)]
+        print(
+            f"[{v} vs {v0}] trivial: p50 {b['p50'] / a['p50']:.2f}x, calls/s "
+            f"{b['cps'] / a['cps']:.2f}x, cpu/call {b['cpu_ms'] / a['cpu_ms']:.2f}x; "
+            f"numpy+sympy: p50 {bh['p50'] / ah['p50']:.2f}x, cpu/call "
+            f"{bh['cpu_ms'] / ah['cpu_ms']:.2f}x"
+        )
+    checks = [
+        ("trivial p50 <= 6 ms", s_t["p50"] <= 6.0),
+        ("trivial >= 150 calls/s", s_t["cps"] >= 150.0),
+        ("numpy+sympy p50 <= 10 ms", s_h["p50"] <= 10.0),
+        (">= 3x subprocess throughput (trivial)", thr_ratio >= 3.0),
+    ]
     for cname, ok in checks:
         print(f"  [{'PASS' if ok else 'MISS'}] {cname}")
 

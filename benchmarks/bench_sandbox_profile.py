@@ -32,9 +32,11 @@ from tools.sandbox.pool import _minimal_env
 _HDR = struct.Struct(">I")
 SNIPPETS = {
     "trivial": ("print(sum(range(1000)))", "499500\n"),
-    "numpy+sympy": ("import numpy as np\nimport sympy as sp\nx = sp.Symbol('x')\n"
-                    "print(sp.factor(x**4 - 1), round(float(np.linalg.det(np.eye(4) * 2)), 6))",
-                    "(x - 1)*(x + 1)*(x**2 + 1) 16.0\n"),
+    "numpy+sympy": (
+        "import numpy as np\nimport sympy as sp\nx = sp.Symbol('x')\n"
+        "print(sp.factor(x**4 - 1), round(float(np.linalg.det(np.eye(4) * 2)), 6))",
+        "(x - 1)*(x + 1)*(x**2 + 1) 16.0\n",
+    ),
 }
 
 
@@ -63,8 +65,10 @@ def phases(sent: int, got: int, reply: dict, idle: dict) -> dict[str, float]:
         "kill + reply": (p["reply_ns"] - p["status_ns"]) * ms,
         "worker -> host": (got - p["reply_ns"]) * ms,
         "= call, host view": (got - sent) * ms,
-        "after: reap": a["reap_ms"], "after: wipe scratch": a["wipe_ms"],
-        "after: fork": a["fork_ms"], "after: arm": a["arm_ms"],
+        "after: reap": a["reap_ms"],
+        "after: wipe scratch": a["wipe_ms"],
+        "after: fork": a["fork_ms"],
+        "after: arm": a["arm_ms"],
         "spare: fork -> armed": (stamps["armed"] - stamps["fork"]) * ms if "armed" in stamps else float("nan"),
         "snippet run: page faults": float(p["child_run_flt"]),
         "spare prefaulted (share)": float("prefault" in stamps),
@@ -84,22 +88,22 @@ def main() -> None:
     tool = PythonTool(backend=args.backend, workers=1, cache=False, worker_options=opts)
     backend = make_backend(args.backend) if isinstance(args.backend, str) else args.backend
     cfg = backend.worker_config(dict(tool.worker_cfg, stateful=False))
-    proc = subprocess.Popen(backend.command(cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=_minimal_env())
+    proc = subprocess.Popen(backend.command(cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_minimal_env())
     rows: dict[str, list[dict[str, float]]] = {s: [] for s in SNIPPETS}
     try:
         ready = _read(proc)
         assert ready["op"] == "ready", ready
-        print(f"backend {backend.name}; worker ready: seccomp {ready['seccomp']}, "
-              f"thp {ready['thp_mb']} MiB, raw_fork {ready['raw_fork']}"
-              + (f", hot pages {ready.get('hot_pages')}" if args.prefault else ""))
+        print(
+            f"backend {backend.name}; worker ready: seccomp {ready['seccomp']}, "
+            f"thp {ready['thp_mb']} MiB, raw_fork {ready['raw_fork']}"
+            + (f", hot pages {ready.get('hot_pages')}" if args.prefault else "")
+        )
         i = 0
         for name, (code, expected) in SNIPPETS.items():  # one snippet after the other (prefault
-            for _ in range(args.n):                       # follows what recent snippets used)
+            for _ in range(args.n):  # follows what recent snippets used)
                 i += 1
                 sent = time.perf_counter_ns()
-                _write(proc, {"op": "run", "id": i, "code": code, "timeout": 30,
-                              "max_output": 4096})
+                _write(proc, {"op": "run", "id": i, "code": code, "timeout": 30, "max_output": 4096})
                 reply = _read(proc)
                 got = time.perf_counter_ns()
                 idle = _read(proc)
@@ -121,8 +125,12 @@ def main() -> None:
     print(f"\nmedian of {args.n} sequential calls (ms unless stated)")
     print(f"{'phase':<28}" + "".join(f"{n:>14}" for n in names))
     for key in rows[names[0]][0]:
-        vals = [statistics.median(r[key] for r in rows[n]) if key != "spare prefaulted (share)"
-                else statistics.fmean(r[key] for r in rows[n]) for n in names]
+        vals = [
+            statistics.median(r[key] for r in rows[n])
+            if key != "spare prefaulted (share)"
+            else statistics.fmean(r[key] for r in rows[n])
+            for n in names
+        ]
         print(f"{key:<28}" + "".join(f"{v:>14.2f}" for v in vals))
 
 

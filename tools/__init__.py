@@ -2,7 +2,8 @@
 
 Make a tool by subclassing :class:`Tool`, by decorating a typed function with :func:`tool`, or
 by listing classes in a verl-style YAML file (:func:`load_tools`); build one by name with
-:func:`get_tool`; a run assembles its whole tool set with :func:`build_tool_set`. Episodes call ``await tool.invoke(args)``, which never raises.
+:func:`get_tool`; a run assembles its whole tool set with :func:`build_tool_set`. Episodes call
+``await tool.invoke(args)``, which never raises.
 """
 
 from tools.assembly import DEFAULT_TOOLS, ToolSet, build_tool_set

@@ -98,8 +98,11 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def build_tool_set(names: Sequence[str] | None = None, tool_config: Mapping[str, Mapping[str, Any]] | None = None,
-                   config_path: str | None = None) -> ToolSet:
+def build_tool_set(
+    names: Sequence[str] | None = None,
+    tool_config: Mapping[str, Mapping[str, Any]] | None = None,
+    config_path: str | None = None,
+) -> ToolSet:
     """Build the tools a run uses (see the module docstring for the rules).
 
     ``names=None`` means "not given" (the default set, unless ``config_path`` is set);
@@ -120,8 +123,10 @@ def build_tool_set(names: Sequence[str] | None = None, tool_config: Mapping[str,
         raise ToolError(f"multi_turn.tools names {repeated} more than once")
     stray = sorted(set(tool_config) - set(names))
     if stray:
-        raise ToolError(f"multi_turn.tool_config has settings for {stray}, which are not in multi_turn.tools="
-                        f"{names}; add them to multi_turn.tools (tools of a tools YAML take their config there)")
+        raise ToolError(
+            f"multi_turn.tool_config has settings for {stray}, which are not in multi_turn.tools="
+            f"{names}; add them to multi_turn.tools (tools of a tools YAML take their config there)"
+        )
     for name, conf in tool_config.items():
         if not isinstance(conf, Mapping):
             raise ToolError(f"multi_turn.tool_config.{name} must be a mapping of keyword settings, got {conf!r}")
@@ -146,16 +151,20 @@ def build_tool_set(names: Sequence[str] | None = None, tool_config: Mapping[str,
             origins += [ToolOrigin(made.name, _class_name(made), where, conf) for made, where, conf in entries]
             for made, where, _ in entries:
                 if made.name in names:
-                    raise ToolError(f"{where}: a tool named {made.name!r} is also in multi_turn.tools={names}; "
-                                    "a tool is defined once: drop it from multi_turn.tools (or rename it in "
-                                    "the YAML's tool_schema)")
+                    raise ToolError(
+                        f"{where}: a tool named {made.name!r} is also in multi_turn.tools={names}; "
+                        "a tool is defined once: drop it from multi_turn.tools (or rename it in "
+                        "the YAML's tool_schema)"
+                    )
     except BaseException:
         _close_quietly(built)
         raise
     if not built:
         yaml = f"the tools YAML {config_path} lists none" if config_path else "no multi_turn.tool_config_path is set"
-        raise ToolError(f"the configuration yields no tools: multi_turn.tools is empty and {yaml}; list tool names "
-                        "(e.g. multi_turn.tools=[python,calculator]) or give a verl-style tools YAML")
+        raise ToolError(
+            f"the configuration yields no tools: multi_turn.tools is empty and {yaml}; list tool names "
+            "(e.g. multi_turn.tools=[python,calculator]) or give a verl-style tools YAML"
+        )
     return ToolSet(built, origins)
 
 

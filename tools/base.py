@@ -41,8 +41,19 @@ class ErrorKind:
     SESSION_LOST = "session_lost"  # a stateful session's process died from an outside cause
     BLOCKED = "blocked"
 
-    ALL = (SYNTAX, RUNTIME, TIMEOUT, MEMORY, OUTPUT_CUT, MALFORMED_CALL, UNKNOWN_TOOL,
-           BAD_ARGUMENTS, SANDBOX, SESSION_LOST, BLOCKED)
+    ALL = (
+        SYNTAX,
+        RUNTIME,
+        TIMEOUT,
+        MEMORY,
+        OUTPUT_CUT,
+        MALFORMED_CALL,
+        UNKNOWN_TOOL,
+        BAD_ARGUMENTS,
+        SANDBOX,
+        SESSION_LOST,
+        BLOCKED,
+    )
 
 
 @dataclass
@@ -78,8 +89,7 @@ class Tool(abc.ABC):
     parameters: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
 
     @abc.abstractmethod
-    async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
-        ...
+    async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult: ...
 
     async def release(self, session_id: str) -> None:
         """Free whatever the tool holds for ``session_id`` (no-op for stateless tools)."""
@@ -112,11 +122,13 @@ class Tool(abc.ABC):
                 raise
             kind = ErrorKind.SANDBOX if isinstance(exc, (OSError, EOFError)) else ErrorKind.RUNTIME
             logger.debug("tool %r raised during call", self.name, exc_info=True)
-            result = ToolResult(text=f"Error: tool '{self.name}' failed: {type(exc).__name__}: {exc}",
-                                ok=False, error=kind)
+            result = ToolResult(
+                text=f"Error: tool '{self.name}' failed: {type(exc).__name__}: {exc}", ok=False, error=kind
+            )
         # a copy: a tool may hand out a cached/shared result object
-        result = dataclasses.replace(result, metrics={**result.metrics,
-                                                      "latency_ms": (time.perf_counter() - start) * 1000.0})
+        result = dataclasses.replace(
+            result, metrics={**result.metrics, "latency_ms": (time.perf_counter() - start) * 1000.0}
+        )
         return result
 
     async def _invoke_checked(self, args: Any, session_id: str | None, timeout: float | None) -> ToolResult:
@@ -124,9 +136,12 @@ class Tool(abc.ABC):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as exc:
-                return ToolResult(text=f"Error: the arguments of tool '{self.name}' are not valid JSON ({exc}). "
-                                       f"Expected arguments: {describe_parameters(self.parameters)}.",
-                                  ok=False, error=ErrorKind.BAD_ARGUMENTS)
+                return ToolResult(
+                    text=f"Error: the arguments of tool '{self.name}' are not valid JSON ({exc}). "
+                    f"Expected arguments: {describe_parameters(self.parameters)}.",
+                    ok=False,
+                    error=ErrorKind.BAD_ARGUMENTS,
+                )
         if args is None:
             args = {}
         problem = self.check_arguments(args)
@@ -142,22 +157,27 @@ class Tool(abc.ABC):
             raise
         if not done:
             task.cancel()
-            return ToolResult(text=f"Error: tool '{self.name}' timed out after {timeout:g} s.",
-                              ok=False, error=ErrorKind.TIMEOUT)
+            return ToolResult(
+                text=f"Error: tool '{self.name}' timed out after {timeout:g} s.", ok=False, error=ErrorKind.TIMEOUT
+            )
         return as_result(task.result())
 
     def check_arguments(self, args: Any) -> str | None:
         """Validate ``args`` against :attr:`parameters` (JSON schema); ``None`` if valid, else
         a short message for the model naming what was wrong and what was expected."""
         if not isinstance(args, dict):
-            return (f"Error: the arguments of tool '{self.name}' must be a JSON object, got "
-                    f"{type(args).__name__}. Expected arguments: {describe_parameters(self.parameters)}.")
+            return (
+                f"Error: the arguments of tool '{self.name}' must be a JSON object, got "
+                f"{type(args).__name__}. Expected arguments: {describe_parameters(self.parameters)}."
+            )
         errors = _validator_for(self.parameters).iter_errors(args)
         problems = sorted({_explain(e) for e in errors})
         if not problems:
             return None
-        return (f"Error: bad arguments for tool '{self.name}': {'; '.join(problems[:5])}. "
-                f"Expected arguments: {describe_parameters(self.parameters)}.")
+        return (
+            f"Error: bad arguments for tool '{self.name}': {'; '.join(problems[:5])}. "
+            f"Expected arguments: {describe_parameters(self.parameters)}."
+        )
 
     def schema(self) -> dict[str, Any]:
         """OpenAI function-calling schema, as chat templates' ``tools=`` argument expects."""
@@ -230,8 +250,7 @@ _VALIDATORS: dict[str, Any] = {}
 def check_schema(parameters: Any, *, tool_name: str = "?") -> None:
     """Raise :class:`ToolError` if ``parameters`` is not a valid JSON schema of an object."""
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-        raise ToolError(f"tool {tool_name!r}: parameters must be a JSON schema with type 'object', "
-                        f"got {parameters!r}")
+        raise ToolError(f"tool {tool_name!r}: parameters must be a JSON schema with type 'object', got {parameters!r}")
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 

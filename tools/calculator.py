@@ -42,9 +42,11 @@ def _program() -> str:
     source (e.g. a docker image with another Python)."""
     bytecode = _pack(marshal.dumps(compile(_EVALUATOR_SOURCE, "calculator_eval", "exec")))
     source = _pack(_EVALUATOR_SOURCE.encode("utf-8"))
-    return ("import base64, marshal, zlib\nfrom importlib.util import MAGIC_NUMBER\n"
-            f"exec(marshal.loads(zlib.decompress(base64.b64decode({bytecode})))\n"
-            f"     if MAGIC_NUMBER == {MAGIC_NUMBER!r} else zlib.decompress(base64.b64decode({source})).decode())\n")
+    return (
+        "import base64, marshal, zlib\nfrom importlib.util import MAGIC_NUMBER\n"
+        f"exec(marshal.loads(zlib.decompress(base64.b64decode({bytecode})))\n"
+        f"     if MAGIC_NUMBER == {MAGIC_NUMBER!r} else zlib.decompress(base64.b64decode({source})).decode())\n"
+    )
 
 
 _PROGRAM = _program()
@@ -80,22 +82,39 @@ class CalculatorTool(Tool):
     """
 
     name = "calculator"
-    description = ("Evaluate a math expression exactly with sympy: arithmetic with fractions, powers (** or ^), "
-                   "sqrt, factorial, binomial, gcd, lcm, mod, log/exp/trig, simplify/expand/factor, and solving "
-                   "equations such as 'x**2 - 4 = 0' or 'solve(2*x + 3 = 7, x)'.")
+    description = (
+        "Evaluate a math expression exactly with sympy: arithmetic with fractions, powers (** or ^), "
+        "sqrt, factorial, binomial, gcd, lcm, mod, log/exp/trig, simplify/expand/factor, and solving "
+        "equations such as 'x**2 - 4 = 0' or 'solve(2*x + 3 = 7, x)'."
+    )
     parameters = {
         "type": "object",
-        "properties": {"expression": {"type": "string",
-                                      "description": "The expression or equation, e.g. '3/4 + 1/6' or '2*x + 3 = 7'."}},
+        "properties": {
+            "expression": {
+                "type": "string",
+                "description": "The expression or equation, e.g. '3/4 + 1/6' or '2*x + 3 = 7'.",
+            }
+        },
         "required": ["expression"],
         "additionalProperties": False,
     }
 
-    def __init__(self, timeout: float = 5.0, max_result_chars: int = 2000, max_expression_chars: int = 2000,
-                 memory_mb: int = 1024, workers: int = 2, backend: str | Backend = "auto") -> None:
-        for key, value in (("timeout", timeout), ("max_result_chars", max_result_chars),
-                           ("max_expression_chars", max_expression_chars), ("memory_mb", memory_mb),
-                           ("workers", workers)):
+    def __init__(
+        self,
+        timeout: float = 5.0,
+        max_result_chars: int = 2000,
+        max_expression_chars: int = 2000,
+        memory_mb: int = 1024,
+        workers: int = 2,
+        backend: str | Backend = "auto",
+    ) -> None:
+        for key, value in (
+            ("timeout", timeout),
+            ("max_result_chars", max_result_chars),
+            ("max_expression_chars", max_expression_chars),
+            ("memory_mb", memory_mb),
+            ("workers", workers),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ToolError(f"calculator: {key} must be a positive number, got {value!r}")
         self.timeout = float(timeout)
@@ -105,10 +124,15 @@ class CalculatorTool(Tool):
         try:
             # the reply is JSON (non-ASCII escaped, at most 6 characters per character) of a
             # result already cut to max_result_chars, plus a short suffix
-            self.sandbox = PythonTool(timeout=self.timeout, workers=workers, backend=backend,
-                                      memory_mb=self.memory_mb, preload=("math", "sympy"),
-                                      max_output_chars=6 * self.max_result_chars + 1024,
-                                      max_code_chars=len(_PROGRAM) + 10 * self.max_expression_chars + 1024)
+            self.sandbox = PythonTool(
+                timeout=self.timeout,
+                workers=workers,
+                backend=backend,
+                memory_mb=self.memory_mb,
+                preload=("math", "sympy"),
+                max_output_chars=6 * self.max_result_chars + 1024,
+                max_code_chars=len(_PROGRAM) + 10 * self.max_expression_chars + 1024,
+            )
         except ToolError as e:
             raise ToolError(f"calculator: {e}") from e
 
@@ -128,11 +152,18 @@ class CalculatorTool(Tool):
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
         expression = args.get("expression")
         if not isinstance(expression, str):
-            return ToolResult(text="Error: 'expression' must be a string, e.g. {\"expression\": \"2+2\"}",
-                              ok=False, error=ErrorKind.BAD_ARGUMENTS)
+            return ToolResult(
+                text="Error: 'expression' must be a string, e.g. {\"expression\": \"2+2\"}",
+                ok=False,
+                error=ErrorKind.BAD_ARGUMENTS,
+            )
         if len(expression) > self.max_expression_chars:
-            return ToolResult(text=f"Error: the expression is too long ({len(expression)} characters; "
-                                   f"at most {self.max_expression_chars})", ok=False, error=ErrorKind.BAD_ARGUMENTS)
+            return ToolResult(
+                text=f"Error: the expression is too long ({len(expression)} characters; "
+                f"at most {self.max_expression_chars})",
+                ok=False,
+                error=ErrorKind.BAD_ARGUMENTS,
+            )
         ran = await self.sandbox.call({"code": snippet(expression, self.max_result_chars)})
         metrics = {k: v for k, v in ran.metrics.items() if k in ("exec_ms", "cache_hit")}
         if ran.ok and ran.error is None:
@@ -141,15 +172,22 @@ class CalculatorTool(Tool):
                 return ToolResult(text=text, ok=bool(ok), error=_kind(kind), metrics=metrics)
             except (ValueError, TypeError, AttributeError):
                 pass  # not the evaluator's reply: reported below as a crash
-        return ToolResult(text=self._failure_text(ran), ok=False, metrics=metrics,
-                          error=ran.error if ran.error in (ErrorKind.TIMEOUT, ErrorKind.MEMORY, ErrorKind.SANDBOX)
-                          else ErrorKind.RUNTIME)
+        return ToolResult(
+            text=self._failure_text(ran),
+            ok=False,
+            metrics=metrics,
+            error=ran.error
+            if ran.error in (ErrorKind.TIMEOUT, ErrorKind.MEMORY, ErrorKind.SANDBOX)
+            else ErrorKind.RUNTIME,
+        )
 
     def _failure_text(self, ran: ToolResult) -> str:
         """The model's message when the sandboxed evaluation did not print its answer."""
         if ran.error == ErrorKind.TIMEOUT:
-            return (f"Error: the calculation took longer than {self.timeout:g} s and was stopped; "
-                    "the numbers are probably too large, try a smaller or simpler expression")
+            return (
+                f"Error: the calculation took longer than {self.timeout:g} s and was stopped; "
+                "the numbers are probably too large, try a smaller or simpler expression"
+            )
         if ran.error == ErrorKind.MEMORY:
             return _MEMORY_TEXT
         if ran.error == ErrorKind.SANDBOX:

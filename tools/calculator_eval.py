@@ -57,28 +57,90 @@ def _namespace() -> dict[str, Any]:
 
     names: dict[str, Any] = {
         # constants
-        "pi": sp.pi, "E": sp.E, "e": sp.E, "I": sp.I, "oo": sp.oo, "inf": sp.oo, "infinity": sp.oo,
+        "pi": sp.pi,
+        "E": sp.E,
+        "e": sp.E,
+        "I": sp.I,
+        "oo": sp.oo,
+        "inf": sp.oo,
+        "infinity": sp.oo,
         # arithmetic, number theory
-        "sqrt": sp.sqrt, "cbrt": sp.cbrt, "root": sp.root, "Abs": sp.Abs, "abs": sp.Abs, "sign": sp.sign,
-        "factorial": sp.factorial, "binomial": sp.binomial, "comb": sp.binomial, "gcd": gcd, "lcm": lcm,
-        "Mod": sp.Mod, "mod": sp.Mod, "floor": sp.floor, "ceiling": sp.ceiling, "ceil": sp.ceiling,
-        "Min": sp.Min, "min": sp.Min, "Max": sp.Max, "max": sp.Max, "round": _round,
-        "isprime": sp.isprime, "prime": sp.prime, "nextprime": sp.nextprime, "primefactors": sp.primefactors,
-        "factorint": sp.factorint, "divisors": sp.divisors, "totient": sp.totient, "fibonacci": sp.fibonacci,
-        "re": sp.re, "im": sp.im, "conjugate": sp.conjugate, "arg": sp.arg,
+        "sqrt": sp.sqrt,
+        "cbrt": sp.cbrt,
+        "root": sp.root,
+        "Abs": sp.Abs,
+        "abs": sp.Abs,
+        "sign": sp.sign,
+        "factorial": sp.factorial,
+        "binomial": sp.binomial,
+        "comb": sp.binomial,
+        "gcd": gcd,
+        "lcm": lcm,
+        "Mod": sp.Mod,
+        "mod": sp.Mod,
+        "floor": sp.floor,
+        "ceiling": sp.ceiling,
+        "ceil": sp.ceiling,
+        "Min": sp.Min,
+        "min": sp.Min,
+        "Max": sp.Max,
+        "max": sp.Max,
+        "round": _round,
+        "isprime": sp.isprime,
+        "prime": sp.prime,
+        "nextprime": sp.nextprime,
+        "primefactors": sp.primefactors,
+        "factorint": sp.factorint,
+        "divisors": sp.divisors,
+        "totient": sp.totient,
+        "fibonacci": sp.fibonacci,
+        "re": sp.re,
+        "im": sp.im,
+        "conjugate": sp.conjugate,
+        "arg": sp.arg,
         # elementary functions
-        "exp": sp.exp, "log": log, "ln": sp.log, "log10": lambda x: sp.log(x, 10), "log2": lambda x: sp.log(x, 2),
-        "sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.sec, "csc": sp.csc,
-        "asin": sp.asin, "acos": sp.acos, "atan": sp.atan, "atan2": sp.atan2,
-        "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan,
-        "sinh": sp.sinh, "cosh": sp.cosh, "tanh": sp.tanh,
+        "exp": sp.exp,
+        "log": log,
+        "ln": sp.log,
+        "log10": lambda x: sp.log(x, 10),
+        "log2": lambda x: sp.log(x, 2),
+        "sin": sp.sin,
+        "cos": sp.cos,
+        "tan": sp.tan,
+        "cot": sp.cot,
+        "sec": sp.sec,
+        "csc": sp.csc,
+        "asin": sp.asin,
+        "acos": sp.acos,
+        "atan": sp.atan,
+        "atan2": sp.atan2,
+        "arcsin": sp.asin,
+        "arccos": sp.acos,
+        "arctan": sp.atan,
+        "sinh": sp.sinh,
+        "cosh": sp.cosh,
+        "tanh": sp.tanh,
         # algebra and calculus
-        "simplify": sp.simplify, "expand": sp.expand, "factor": sp.factor, "cancel": sp.cancel,
-        "apart": sp.apart, "together": sp.together, "nsimplify": sp.nsimplify, "N": sp.N,
-        "diff": sp.diff, "integrate": sp.integrate, "limit": sp.limit, "summation": sp.summation,
-        "product": sp.product, "Eq": sp.Eq, "solve": _solve,
+        "simplify": sp.simplify,
+        "expand": sp.expand,
+        "factor": sp.factor,
+        "cancel": sp.cancel,
+        "apart": sp.apart,
+        "together": sp.together,
+        "nsimplify": sp.nsimplify,
+        "N": sp.N,
+        "diff": sp.diff,
+        "integrate": sp.integrate,
+        "limit": sp.limit,
+        "summation": sp.summation,
+        "product": sp.product,
+        "Eq": sp.Eq,
+        "solve": _solve,
         # what sympy's tokenizer emits
-        "Integer": sp.Integer, "Float": sp.Float, "Rational": sp.Rational, "Symbol": sp.Symbol,
+        "Integer": sp.Integer,
+        "Float": sp.Float,
+        "Rational": sp.Rational,
+        "Symbol": sp.Symbol,
     }
     return names
 
@@ -87,7 +149,8 @@ FUNCTIONS: tuple[str, ...] = (
     "sqrt cbrt root abs factorial binomial gcd lcm mod floor ceiling min max round isprime prime "
     "nextprime primefactors factorint divisors totient fibonacci re im conjugate exp log ln log10 "
     "log2 sin cos tan asin acos atan atan2 sinh cosh tanh simplify expand factor cancel apart "
-    "together nsimplify N diff integrate limit summation product Eq solve").split()
+    "together nsimplify N diff integrate limit summation product Eq solve"
+).split()
 
 
 def _round(x: Any, digits: Any = None) -> Any:
@@ -118,8 +181,15 @@ def _solve(*args: Any) -> _Solutions:
     return _Solutions(found)
 
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.Pow: operator.pow, ast.Mod: operator.mod, ast.FloorDiv: operator.floordiv}
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.Mod: operator.mod,
+    ast.FloorDiv: operator.floordiv,
+}
 _CONSTRUCTORS = {"Integer", "Float", "Rational", "Symbol"}
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
@@ -224,8 +294,12 @@ class _Interpreter:
         if name in ("Integer", "Float") and len(args) == 1 and isinstance(args[0], ast.Call):
             inner = self.run(args[0])  # repeated decimals: Integer(Integer(0))
             return sp.Integer(inner) if name == "Integer" else sp.Float(inner)
-        if len(args) != 1 or not isinstance(args[0], ast.Constant) or isinstance(args[0].value, bool) \
-                or not isinstance(args[0].value, (int, str, float)):
+        if (
+            len(args) != 1
+            or not isinstance(args[0], ast.Constant)
+            or isinstance(args[0].value, bool)
+            or not isinstance(args[0].value, (int, str, float))
+        ):
             raise CalcError("BLOCKED", f"{name}(...) takes a single literal")
         value = args[0].value
         if name == "Symbol":
@@ -238,11 +312,24 @@ class _Interpreter:
 
 
 def _describe(node: ast.AST) -> str:
-    labels = {"Attribute": "attribute access (.)", "Subscript": "indexing ([])", "Lambda": "lambda",
-              "ListComp": "a comprehension", "GeneratorExp": "a comprehension", "SetComp": "a comprehension",
-              "DictComp": "a comprehension", "NamedExpr": "assignment (:=)", "IfExp": "if/else",
-              "BoolOp": "and/or", "Dict": "a dict", "Set": "a set", "JoinedStr": "an f-string",
-              "Await": "await", "Yield": "yield", "Starred": "*"}
+    labels = {
+        "Attribute": "attribute access (.)",
+        "Subscript": "indexing ([])",
+        "Lambda": "lambda",
+        "ListComp": "a comprehension",
+        "GeneratorExp": "a comprehension",
+        "SetComp": "a comprehension",
+        "DictComp": "a comprehension",
+        "NamedExpr": "assignment (:=)",
+        "IfExp": "if/else",
+        "BoolOp": "and/or",
+        "Dict": "a dict",
+        "Set": "a set",
+        "JoinedStr": "an f-string",
+        "Await": "await",
+        "Yield": "yield",
+        "Starred": "*",
+    }
     return labels.get(type(node).__name__, type(node).__name__)
 
 
@@ -273,8 +360,14 @@ def _to_tree(expression: str) -> ast.Expression:
         # `x(x+1)` is a product, but a longer unknown name before '(' is a function the model expects
         if len(match.group(1)) > 1 and match.group(1) not in _namespace():
             raise CalcError("SYNTAX", f"unknown function {match.group(1)!r}; available: {', '.join(FUNCTIONS)}")
-    transformations = (auto_symbol, repeated_decimals, auto_number, factorial_notation, implicit_multiplication,
-                       convert_xor)
+    transformations = (
+        auto_symbol,
+        repeated_decimals,
+        auto_number,
+        factorial_notation,
+        implicit_multiplication,
+        convert_xor,
+    )
     # stringify_expr only rewrites tokens (no evaluation); its namespace tells which names are functions
     names = dict(_namespace())
     names["Function"] = object  # marks unknown calls; never evaluated (rejected by the interpreter)
@@ -313,6 +406,7 @@ def calculate(expression: str, *, max_chars: int = 2000) -> tuple[bool, str | No
 
 # ----------------------------------------------------------------------- formatting
 
+
 def _strip_float(text: str) -> str:
     mantissa, sep, exponent = text.partition("e")
     if "." in mantissa:
@@ -336,8 +430,10 @@ def _approx(value: Any) -> str:
         return _strip_float(sp.sstr(approx))
     re_part, im_part = approx.as_real_imag()
     if re_part.is_Number and im_part.is_Number:
-        re_text, im_text = _strip_float(sp.sstr(sp.Float(re_part, APPROX_DIGITS))), \
-            _strip_float(sp.sstr(sp.Float(abs(im_part), APPROX_DIGITS)))
+        re_text, im_text = (
+            _strip_float(sp.sstr(sp.Float(re_part, APPROX_DIGITS))),
+            _strip_float(sp.sstr(sp.Float(abs(im_part), APPROX_DIGITS))),
+        )
         sign = "-" if im_part < 0 else "+"
         imaginary = "I" if im_text == "1" else f"{im_text}*I"
         if re_part == 0:
@@ -409,8 +505,11 @@ def _format_solutions(solutions: list[Any]) -> str:
             if not solution:
                 parts.append("any value (the equation always holds)")
                 continue
-            parts.append(", ".join(f"{sp.sstr(k)} = {_format(v)}"
-                                   for k, v in sorted(solution.items(), key=lambda kv: sp.sstr(kv[0]))))
+            parts.append(
+                ", ".join(
+                    f"{sp.sstr(k)} = {_format(v)}" for k, v in sorted(solution.items(), key=lambda kv: sp.sstr(kv[0]))
+                )
+            )
         else:
             parts.append(_format(solution))
     single = all(isinstance(s, dict) and len(s) == 1 for s in solutions)

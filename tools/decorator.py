@@ -49,7 +49,7 @@ class FunctionTool(Tool):
         self.name = name or fn.__name__
         auto_description, self.parameters = function_schema(fn, tool_name=self.name)
         self.description = description if description is not None else auto_description
-        self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (an async __call__)
         self._takes_session = "session_id" in inspect.signature(fn).parameters
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -76,12 +76,20 @@ class FunctionTool(Tool):
 @typing.overload
 def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
 @typing.overload
-def tool(*, name: str | None = None, description: str | None = None,
-         register: bool = True, replace: bool = False) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+def tool(
+    *, name: str | None = None, description: str | None = None, register: bool = True, replace: bool = False
+) -> Callable[[Callable[..., Any]], FunctionTool]: ...
 
 
-def tool(fn: Callable[..., Any] | None = None, /, *, name: str | None = None, description: str | None = None,
-         register: bool = True, replace: bool = False) -> Any:
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    register: bool = True,
+    replace: bool = False,
+) -> Any:
     """Decorator: ``@tool`` or ``@tool(name="...", description="...", register=True)``.
 
     ``register=True`` adds the tool to the registry under its name (so ``get_tool(name)`` and
@@ -120,13 +128,17 @@ def function_schema(fn: Callable[..., Any], *, tool_name: str | None = None) -> 
         if pname == "session_id":
             continue
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise ToolError(f"@tool {label!r}: *args/**kwargs ({pname!r}) cannot be described by a JSON schema; "
-                            "declare each argument by name")
+            raise ToolError(
+                f"@tool {label!r}: *args/**kwargs ({pname!r}) cannot be described by a JSON schema; "
+                "declare each argument by name"
+            )
         if param.kind is param.POSITIONAL_ONLY:
             raise ToolError(f"@tool {label!r}: positional-only parameter {pname!r} cannot be passed by name")
         if pname not in hints:
-            raise ToolError(f"@tool {label!r}: parameter {pname!r} has no type hint; @tool builds the schema from "
-                            "type hints (use typing.Any to accept anything)")
+            raise ToolError(
+                f"@tool {label!r}: parameter {pname!r} has no type hint; @tool builds the schema from "
+                "type hints (use typing.Any to accept anything)"
+            )
         try:
             spec = _type_schema(hints[pname])
         except ToolError as exc:
@@ -156,8 +168,11 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     parsed = docstring_parser.parse(doc)
     parts = [p for p in (parsed.short_description, parsed.long_description) if p]
     description = "\n\n".join(parts).strip()
-    args = {p.arg_name: " ".join((p.description or "").split()) for p in parsed.params if p.args and p.args[0] in
-            ("param", "parameter", "arg", "argument", "key", "keyword")}
+    args = {
+        p.arg_name: " ".join((p.description or "").split())
+        for p in parsed.params
+        if p.args and p.args[0] in ("param", "parameter", "arg", "argument", "key", "keyword")
+    }
     return description, {k: v for k, v in args.items() if v}
 
 
@@ -201,13 +216,19 @@ def _type_schema(hint: Any) -> dict[str, Any]:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
             return {"type": "array", "items": _type_schema(args[0])}
-        return {"type": "array", "prefixItems": [_type_schema(a) for a in args],
-                "minItems": len(args), "maxItems": len(args)}
+        return {
+            "type": "array",
+            "prefixItems": [_type_schema(a) for a in args],
+            "minItems": len(args),
+            "maxItems": len(args),
+        }
     if hint is dict or origin in (dict, Mapping, typing.Mapping):
         args = typing.get_args(hint)
         spec = {"type": "object"}
         if len(args) == 2 and args[1] is not typing.Any:
             spec["additionalProperties"] = _type_schema(args[1])
         return spec
-    raise ToolError(f"type {hint!r} has no JSON-schema equivalent (use int, float, str, bool, list[...], dict[str, ...], "
-                    "Optional[...], Literal[...], an Enum or typing.Any)")
+    raise ToolError(
+        f"type {hint!r} has no JSON-schema equivalent (use int, float, str, bool, list[...], dict[str, ...], "
+        "Optional[...], Literal[...], an Enum or typing.Any)"
+    )

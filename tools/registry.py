@@ -70,6 +70,7 @@ _LOCK = threading.Lock()
 
 # ----------------------------------------------------------------------------------- registration
 
+
 def register_tool(obj: Any, name: str | None = None, *, replace: bool = False) -> Any:
     """Make ``obj`` available to :func:`get_tool` under ``name`` (default: its ``name`` attribute).
 
@@ -92,8 +93,9 @@ def register_tool(obj: Any, name: str | None = None, *, replace: bool = False) -
     with _LOCK:
         existing = _REGISTRY.get(name)
         if existing is not None and not replace and not _same_origin(existing, obj):
-            raise ToolError(f"a tool named {name!r} is already registered ({existing!r}); "
-                            "pick another name or pass replace=True")
+            raise ToolError(
+                f"a tool named {name!r} is already registered ({existing!r}); pick another name or pass replace=True"
+            )
         _REGISTRY[name] = obj
     return obj
 
@@ -109,7 +111,10 @@ def unregister_tool(name: str) -> None:
 def _same_origin(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    key = lambda o: (getattr(getattr(o, "fn", o), "__module__", None), getattr(getattr(o, "fn", o), "__qualname__", None))  # noqa: E731
+    key = lambda o: (
+        getattr(getattr(o, "fn", o), "__module__", None),
+        getattr(getattr(o, "fn", o), "__qualname__", None),
+    )  # noqa: E731
     return type(a) is type(b) and key(a) == key(b) and key(a)[1] is not None
 
 
@@ -118,11 +123,14 @@ def _check_tool_like(obj: Any) -> None:
         return
     if callable(obj):
         return  # a factory; checked when called
-    raise ToolError(f"cannot register {obj!r}: expected a Tool subclass, a Tool instance, a factory "
-                    "returning a Tool, or an import path 'package.module:Attr'")
+    raise ToolError(
+        f"cannot register {obj!r}: expected a Tool subclass, a Tool instance, a factory "
+        "returning a Tool, or an import path 'package.module:Attr'"
+    )
 
 
 # ----------------------------------------------------------------------------------- lookup
+
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
     found: dict[str, metadata.EntryPoint] = {}
@@ -154,8 +162,10 @@ def _resolve(name: str) -> Any:
         try:
             target = ep.load()
         except Exception as exc:  # noqa: BLE001 - a broken plugin must say which one
-            raise ToolError(f"tool {name!r} from entry point {ep.value!r} (group {ENTRY_POINT_GROUP!r}) "
-                            f"failed to load: {type(exc).__name__}: {exc}") from exc
+            raise ToolError(
+                f"tool {name!r} from entry point {ep.value!r} (group {ENTRY_POINT_GROUP!r}) "
+                f"failed to load: {type(exc).__name__}: {exc}"
+            ) from exc
         _check_tool_like(target)
         return target
     if isinstance(target, str):
@@ -221,21 +231,24 @@ def _construct(target: Any, config: dict[str, Any], *, label: str) -> Tool:
     keys, var_kw = _config_keys(target)
     unknown = sorted(k for k in config if k not in keys)
     if unknown and not var_kw:
-        raise ToolError(f"tool {label!r} got unknown config key(s) {unknown}; valid keys: "
-                        f"{', '.join(keys) if keys else 'none'}")
+        raise ToolError(
+            f"tool {label!r} got unknown config key(s) {unknown}; valid keys: {', '.join(keys) if keys else 'none'}"
+        )
     try:
         made = target(**config)
     except ToolError:
         raise
     except (TypeError, ValueError) as exc:
-        raise ToolError(f"tool {label!r}: bad configuration {config!r}: {exc} (valid keys: "
-                        f"{', '.join(keys) if keys else 'none'})") from exc
+        raise ToolError(
+            f"tool {label!r}: bad configuration {config!r}: {exc} (valid keys: {', '.join(keys) if keys else 'none'})"
+        ) from exc
     if not isinstance(made, Tool):
         raise ToolError(f"tool {label!r}: {target!r} returned {type(made).__name__}, not a tools.Tool")
     return made
 
 
 # ----------------------------------------------------------------------------------- YAML (verl shape)
+
 
 def tool_source(name: str) -> str:
     """Where :func:`get_tool` finds ``name``: ``registered``, ``built-in (...)`` or ``entry point ...``."""
@@ -343,10 +356,15 @@ def _tool_from_entry(entry: dict[str, Any], where: str) -> Tool:
 
 
 def _check_tool_schema(schema: Any, where: str) -> dict[str, Any]:
-    if not isinstance(schema, dict) or schema.get("type", "function") != "function" \
-            or not isinstance(schema.get("function"), dict):
-        raise ToolError(f"{where}: tool_schema must look like {{type: function, function: {{name, description, "
-                        f"parameters}}}}, got {schema!r}")
+    if (
+        not isinstance(schema, dict)
+        or schema.get("type", "function") != "function"
+        or not isinstance(schema.get("function"), dict)
+    ):
+        raise ToolError(
+            f"{where}: tool_schema must look like {{type: function, function: {{name, description, "
+            f"parameters}}}}, got {schema!r}"
+        )
     function = schema["function"]
     if not isinstance(function.get("name"), str) or not function["name"]:
         raise ToolError(f"{where}: tool_schema.function.name is missing")
@@ -382,11 +400,17 @@ class VerlToolAdapter(Tool):
         try:
             inner = tool_cls(config=config, tool_schema=_verl_schema_object(schema_dict, tool_cls))
         except Exception as exc:  # noqa: BLE001 - third-party constructor, report which one
-            raise ToolError(f"{where}: constructing {tool_cls.__qualname__}(config=..., tool_schema=...) failed: "
-                            f"{type(exc).__name__}: {exc}") from exc
+            raise ToolError(
+                f"{where}: constructing {tool_cls.__qualname__}(config=..., tool_schema=...) failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         parameters = function.get("parameters") or {"type": "object", "properties": {}, "required": []}
-        return cls(inner, name=getattr(inner, "name", None) or function["name"],
-                   description=function.get("description", ""), parameters=parameters)
+        return cls(
+            inner,
+            name=getattr(inner, "name", None) or function["name"],
+            description=function.get("description", ""),
+            parameters=parameters,
+        )
 
     async def _create(self, instance_id: str | None) -> str:
         created = await self.inner.create(instance_id)

@@ -40,7 +40,9 @@ def test_default_set_is_python_and_calculator():
     try:
         assert sorted(ts) == sorted(DEFAULT_TOOLS)
         rec = {r["name"]: r for r in ts.describe()}
-        assert rec["python"]["cls"] == "tools.sandbox.tool.PythonTool" and rec["python"]["source"].startswith("built-in")
+        assert rec["python"]["cls"] == "tools.sandbox.tool.PythonTool" and rec["python"]["source"].startswith(
+            "built-in"
+        )
         assert rec["python"]["isolation"]  # the sandbox names its isolation level
         assert rec["calculator"]["cls"].endswith("CalculatorTool")
     finally:
@@ -49,11 +51,14 @@ def test_default_set_is_python_and_calculator():
 
 def test_yaml_alone_gives_exactly_its_tools_and_records_where_they_came_from(tmp_path, plugin_dir):
     log = tmp_path / "calls.jsonl"
-    path = _yaml(tmp_path, f"""
+    path = _yaml(
+        tmp_path,
+        f"""
         tools:
           - class_name: lookup_plugin.Lookup
             config: {{log_path: {log}, prefix: hello}}
-    """)
+    """,
+    )
     ts = build_tool_set(None, None, path)
     try:
         assert list(ts) == ["lookup"]
@@ -68,51 +73,71 @@ def test_yaml_alone_gives_exactly_its_tools_and_records_where_they_came_from(tmp
 
 
 def test_names_and_yaml_are_added_and_a_name_defined_twice_is_an_error(tmp_path, plugin_dir):
-    path = _yaml(tmp_path, f"""
+    path = _yaml(
+        tmp_path,
+        f"""
         tools:
           - class_name: lookup_plugin.Lookup
             config: {{log_path: {tmp_path / 'log'}}}
-    """)
+    """,
+    )
     ts = build_tool_set(["calculator"], {"calculator": {"timeout": 2.0}}, path)
     try:
         assert sorted(ts) == ["calculator", "lookup"]
         assert {r["name"]: r["config"] for r in ts.describe()}["calculator"] == {"timeout": 2.0}
     finally:
         _close(ts)
-    clash = _yaml(tmp_path, """
+    clash = _yaml(
+        tmp_path,
+        """
         tools:
           - class_name: tools.calculator.CalculatorTool
-    """)
+    """,
+    )
     with pytest.raises(ToolError, match="'calculator' is also in multi_turn.tools"):
         build_tool_set(["calculator"], None, clash)
 
 
-@pytest.mark.parametrize("names, conf, match", [
-    ([], None, "yields no tools"),
-    (["pyhton"], None, "unknown tool 'pyhton'; available tools: .*python"),
-    (["calculator"], {"calculator": {"bogus": 1}}, "tool 'calculator' got unknown config key\\(s\\) \\['bogus'\\]"),
-    (["calculator"], {"python": {"timeout": 1}}, "settings for \\['python'\\], which are not in multi_turn.tools"),
-    (["calculator", "calculator"], None, "more than once"),
-    ("calculator", None, "must be a list of tool names"),
-])
+@pytest.mark.parametrize(
+    "names, conf, match",
+    [
+        ([], None, "yields no tools"),
+        (["pyhton"], None, "unknown tool 'pyhton'; available tools: .*python"),
+        (["calculator"], {"calculator": {"bogus": 1}}, "tool 'calculator' got unknown config key\\(s\\) \\['bogus'\\]"),
+        (["calculator"], {"python": {"timeout": 1}}, "settings for \\['python'\\], which are not in multi_turn.tools"),
+        (["calculator", "calculator"], None, "more than once"),
+        ("calculator", None, "must be a list of tool names"),
+    ],
+)
 def test_bad_sets_name_the_tool_and_the_reason(names, conf, match):
     with pytest.raises(ToolError, match=match):
         build_tool_set(names, conf)
 
 
-@pytest.mark.parametrize("body, match", [
-    ("tools:\n  - class_name: no_such_module.Tool\n", "tools\\[0\\].*cannot import module 'no_such_module'"),
-    ("tools:\n  - class_name: lookup_plugin.Nope\n", "module 'lookup_plugin' has no attribute 'Nope'"),
-    ("tools:\n  - class_name: lookup_plugin.Lookup\n    config: {bogus: 1}\n",
-     "unknown config key\\(s\\) \\['bogus'\\].*valid keys: log_path, prefix"),
-    ("tools:\n  - class_name: lookup_plugin.SessionLookup\n    config: {log_path: x}\n", "needs a tool_schema"),
-    ("tools:\n  - class_name: lookup_plugin.SessionLookup\n    config: {}\n    tool_schema: {type: function, "
-     "function: {name: lookup, parameters: {type: object, properties: {}}}}\n",
-     "SessionLookup\\(config=..., tool_schema=...\\) failed: KeyError"),
-    ("tools:\n  - class_name: lookup_plugin.Lookup\n    config: {log_path: x}\n    tool_schema: {type: function, "
-     "function: {name: lookup, parameters: {type: array}}}\n", "lookup"),
-    ("tool: []\n", "top-level 'tools:' list"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ("tools:\n  - class_name: no_such_module.Tool\n", "tools\\[0\\].*cannot import module 'no_such_module'"),
+        ("tools:\n  - class_name: lookup_plugin.Nope\n", "module 'lookup_plugin' has no attribute 'Nope'"),
+        (
+            "tools:\n  - class_name: lookup_plugin.Lookup\n    config: {bogus: 1}\n",
+            "unknown config key\\(s\\) \\['bogus'\\].*valid keys: log_path, prefix",
+        ),
+        ("tools:\n  - class_name: lookup_plugin.SessionLookup\n    config: {log_path: x}\n", "needs a tool_schema"),
+        (
+            "tools:\n  - class_name: lookup_plugin.SessionLookup\n    config: {}\n    tool_schema: {type: function, "
+            "function: {name: lookup, parameters: {type: object, properties: {}}}}\n",
+            "SessionLookup\\(config=..., tool_schema=...\\) failed: KeyError",
+        ),
+        (
+            "tools:\n  - class_name: lookup_plugin.Lookup\n    config: {log_path: x}\n"
+            "    tool_schema: {type: function, "
+            "function: {name: lookup, parameters: {type: array}}}\n",
+            "lookup",
+        ),
+        ("tool: []\n", "top-level 'tools:' list"),
+    ],
+)
 def test_a_tools_yaml_that_does_not_load_says_which_entry_and_why(tmp_path, plugin_dir, body, match):
     path = _yaml(tmp_path, body)
     with pytest.raises(ToolError, match=match):
@@ -120,7 +145,8 @@ def test_a_tools_yaml_that_does_not_load_says_which_entry_and_why(tmp_path, plug
 
 
 def test_a_failing_constructor_is_reported_with_its_tool_name(tmp_path, plugin_dir):
-    (plugin_dir / "broken_plugin.py").write_text(textwrap.dedent("""
+    (plugin_dir / "broken_plugin.py").write_text(
+        textwrap.dedent("""
         from tools import Tool
 
         class Broken(Tool):
@@ -131,7 +157,8 @@ def test_a_failing_constructor_is_reported_with_its_tool_name(tmp_path, plugin_d
 
             async def call(self, args, *, session_id=None):
                 return "unreachable"
-    """))
+    """)
+    )
     path = _yaml(tmp_path, "tools:\n  - class_name: broken_plugin.Broken\n")
     with pytest.raises(ToolError, match="broken_plugin.Broken\\) failed to load: RuntimeError: no licence key"):
         build_tool_set(None, None, path)
@@ -148,7 +175,9 @@ def test_a_failing_constructor_is_reported_with_its_tool_name(tmp_path, plugin_d
 def test_agent_env_without_tools_uses_the_same_assembly(tmp_path, plugin_dir, tiny_tokenizer):
     from agent_env import AgentEnv, EnvError, EpisodeConfig
 
-    path = _yaml(tmp_path, f"tools:\n  - class_name: lookup_plugin.Lookup\n    config: {{log_path: {tmp_path / 'l'}}}\n")
+    path = _yaml(
+        tmp_path, f"tools:\n  - class_name: lookup_plugin.Lookup\n    config: {{log_path: {tmp_path / 'l'}}}\n"
+    )
     env = AgentEnv(tiny_tokenizer, config=EpisodeConfig(tool_config_path=path))
     try:
         assert list(env.tools) == ["lookup"] and env.tools.describe()[0]["cls"] == "lookup_plugin.Lookup"

@@ -74,7 +74,7 @@ def sandbox_processes() -> set[int]:
                     stat = f.read()
             except OSError:
                 continue
-            children.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(name))
+            children.setdefault(int(stat[stat.rindex(b")") + 2 :].split()[1]), []).append(int(name))
     found, todo = set(), [os.getpid()]
     while todo:
         for pid in children.get(todo.pop(), []):
@@ -91,29 +91,77 @@ def sandbox_processes() -> set[int]:
 # ------------------------------------------------------------------------ canonical answers
 
 CASES = [
-    ("3/4", "3/4"), ("1/2 + 1/4", "3/4"), ("10/4", "5/2"), ("3 * (2 + 5) / 7", "3"), ("2^10", "1024"),
-    ("2**-2", "1/4"), ("-7 // 2", "-4"), ("17 % 5", "2"), ("mod(17, 5)", "2"), ("Mod(-7, 3)", "2"),
-    ("sqrt(16)", "4"), ("sqrt(8)", "2*sqrt(2) ≈ 2.82842712"), ("sqrt(2)", "sqrt(2) ≈ 1.41421356"),
-    ("sqrt(2)*sqrt(8)", "4"), ("cbrt(27)", "3"), ("root(32, 5)", "2"), ("8**(1/3)", "2"),
-    ("5!", "120"), ("factorial(20)", "2432902008176640000"), ("binomial(10, 3)", "120"), ("comb(52, 5)", "2598960"),
-    ("gcd(12, 18)", "6"), ("gcd(12, 18, 8)", "2"), ("lcm(4, 6, 10)", "60"), ("abs(-3/2)", "3/2"),
-    ("floor(7/2)", "3"), ("ceiling(7/2)", "4"), ("max(3, 7/2, 2)", "7/2"), ("round(2.567, 2)", "2.57"),
-    ("round(7/2)", "4"), ("0.1 + 0.2", "0.3"), ("2.5 * 2", "5"), ("1.5e-7 * 2", "3e-7"), ("1e10", "10000000000"),
-    ("pi", "pi ≈ 3.14159265"), ("e^2", "exp(2) ≈ 7.3890561"), ("log(8, 2)", "3"), ("log10(1000)", "3"),
-    ("sin(pi/6)", "1/2"), ("cos(pi/4)", "sqrt(2)/2 ≈ 0.707106781"), ("2x + 3x", "5*x"),
-    ("(1+2*I)*(3-I)", "5 + 5*I"), ("sqrt(-4)", "2*I"), ("1/(1+I)", "1/2 - I/2"),
-    ("1/0", "zoo (complex infinity, e.g. a division by zero)"), ("0/0", "nan (undefined)"),
-    ("x^2 + 2x + 1", "x**2 + 2*x + 1"), ("expand((x+1)**3)", "x**3 + 3*x**2 + 3*x + 1"),
-    ("factor(x**2 - 1)", "(x - 1)*(x + 1)"), ("simplify(sin(x)**2 + cos(x)**2)", "1"),
-    ("diff(x**3, x)", "3*x**2"), ("integrate(x**2, (x, 0, 1))", "1/3"), ("limit(sin(x)/x, x, 0)", "1"),
-    ("2x + 3 = 7", "x = 2"), ("x**2 - 4 = 0", "x = -2, x = 2"), ("solve(2*x+3=7, x)", "x = 2"),
-    ("solve(x**2 - 4, x)", "x = -2, x = 2"), ("solve(x**2 + 1, x)", "x = -I, x = I"),
+    ("3/4", "3/4"),
+    ("1/2 + 1/4", "3/4"),
+    ("10/4", "5/2"),
+    ("3 * (2 + 5) / 7", "3"),
+    ("2^10", "1024"),
+    ("2**-2", "1/4"),
+    ("-7 // 2", "-4"),
+    ("17 % 5", "2"),
+    ("mod(17, 5)", "2"),
+    ("Mod(-7, 3)", "2"),
+    ("sqrt(16)", "4"),
+    ("sqrt(8)", "2*sqrt(2) ≈ 2.82842712"),
+    ("sqrt(2)", "sqrt(2) ≈ 1.41421356"),
+    ("sqrt(2)*sqrt(8)", "4"),
+    ("cbrt(27)", "3"),
+    ("root(32, 5)", "2"),
+    ("8**(1/3)", "2"),
+    ("5!", "120"),
+    ("factorial(20)", "2432902008176640000"),
+    ("binomial(10, 3)", "120"),
+    ("comb(52, 5)", "2598960"),
+    ("gcd(12, 18)", "6"),
+    ("gcd(12, 18, 8)", "2"),
+    ("lcm(4, 6, 10)", "60"),
+    ("abs(-3/2)", "3/2"),
+    ("floor(7/2)", "3"),
+    ("ceiling(7/2)", "4"),
+    ("max(3, 7/2, 2)", "7/2"),
+    ("round(2.567, 2)", "2.57"),
+    ("round(7/2)", "4"),
+    ("0.1 + 0.2", "0.3"),
+    ("2.5 * 2", "5"),
+    ("1.5e-7 * 2", "3e-7"),
+    ("1e10", "10000000000"),
+    ("pi", "pi ≈ 3.14159265"),
+    ("e^2", "exp(2) ≈ 7.3890561"),
+    ("log(8, 2)", "3"),
+    ("log10(1000)", "3"),
+    ("sin(pi/6)", "1/2"),
+    ("cos(pi/4)", "sqrt(2)/2 ≈ 0.707106781"),
+    ("2x + 3x", "5*x"),
+    ("(1+2*I)*(3-I)", "5 + 5*I"),
+    ("sqrt(-4)", "2*I"),
+    ("1/(1+I)", "1/2 - I/2"),
+    ("1/0", "zoo (complex infinity, e.g. a division by zero)"),
+    ("0/0", "nan (undefined)"),
+    ("x^2 + 2x + 1", "x**2 + 2*x + 1"),
+    ("expand((x+1)**3)", "x**3 + 3*x**2 + 3*x + 1"),
+    ("factor(x**2 - 1)", "(x - 1)*(x + 1)"),
+    ("simplify(sin(x)**2 + cos(x)**2)", "1"),
+    ("diff(x**3, x)", "3*x**2"),
+    ("integrate(x**2, (x, 0, 1))", "1/3"),
+    ("limit(sin(x)/x, x, 0)", "1"),
+    ("2x + 3 = 7", "x = 2"),
+    ("x**2 - 4 = 0", "x = -2, x = 2"),
+    ("solve(2*x+3=7, x)", "x = 2"),
+    ("solve(x**2 - 4, x)", "x = -2, x = 2"),
+    ("solve(x**2 + 1, x)", "x = -I, x = I"),
     ("x**2 = 2", "x = -sqrt(2) ≈ -1.41421356, x = sqrt(2) ≈ 1.41421356"),
-    ("solve([x + y = 10, x - y = 2], [x, y])", "x = 6, y = 4"), ("x + y = 3", "x = 3 - y"),
-    ("x = x + 1", "no solution"), ("x = x", "True (for every value of x)"), ("2 + 2 = 4", "True"), ("2 + 2 = 5", "False"),
-    ("isprime(97)", "True"), ("divisors(12)", "[1, 2, 3, 4, 6, 12]"), ("factorint(360)", "{2: 3, 3: 2, 5: 1}"),
+    ("solve([x + y = 10, x - y = 2], [x, y])", "x = 6, y = 4"),
+    ("x + y = 3", "x = 3 - y"),
+    ("x = x + 1", "no solution"),
+    ("x = x", "True (for every value of x)"),
+    ("2 + 2 = 4", "True"),
+    ("2 + 2 = 5", "False"),
+    ("isprime(97)", "True"),
+    ("divisors(12)", "[1, 2, 3, 4, 6, 12]"),
+    ("factorint(360)", "{2: 3, 3: 2, 5: 1}"),
     ("2**10000", f"≈ 1.99506312e3010 (an integer with {len(str(2**10000))} digits)"),
-    ("0.[3]", "1/3"), ("x(x+1)", "x*(x + 1)"),
+    ("0.[3]", "1/3"),
+    ("x(x+1)", "x*(x + 1)"),
 ]
 
 
@@ -146,12 +194,13 @@ def test_through_the_tool(calc):
 
 # ------------------------------------------------------------------------ oracles
 
+
 @st.composite
 def rational_expressions(draw, depth=0):
     """(expression text, exact Fraction value or None when it divides by zero)."""
     if depth >= 3 or draw(st.booleans()):
         if draw(st.booleans()):
-            n = draw(st.integers(-10**12, 10**12))
+            n = draw(st.integers(-(10**12), 10**12))
             return (f"({n})" if n < 0 else str(n)), Fraction(n)
         p, q = draw(st.integers(-1000, 1000)), draw(st.integers(1, 1000))
         return f"({p}/{q})", Fraction(p, q)
@@ -161,7 +210,7 @@ def rational_expressions(draw, depth=0):
         k = draw(st.integers(-3, 4))
         if left is None or (left == 0 and k < 0):
             return f"({left_text})^({k})", None
-        return f"({left_text})^({k})", left ** k
+        return f"({left_text})^({k})", left**k
     right_text, right = draw(rational_expressions(depth=depth + 1))
     text = f"({left_text} {op} {right_text})"
     if left is None or right is None:
@@ -183,8 +232,9 @@ def test_rational_arithmetic_matches_fractions(case):
     assert calculate(text) == (True, None, fraction_text(value))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(case=rational_expressions())
 def test_rational_arithmetic_through_the_worker(calc, case):
     text, value = case
@@ -204,8 +254,13 @@ def test_number_theory_matches_math(a, b, n, k):
 
 
 @settings(max_examples=60, deadline=None)
-@given(r1=st.integers(-50, 50), r2=st.integers(-50, 50), a=st.integers(1, 9), b=st.integers(-99, 99),
-       c=st.integers(-99, 99))
+@given(
+    r1=st.integers(-50, 50),
+    r2=st.integers(-50, 50),
+    a=st.integers(1, 9),
+    b=st.integers(-99, 99),
+    c=st.integers(-99, 99),
+)
 def test_solve_matches_brute_force(r1, r2, a, b, c):
     expanded = f"x**2 - ({r1 + r2})*x + ({r1 * r2}) = 0"
     roots = sorted({r1, r2})
@@ -226,8 +281,10 @@ def test_irrational_roots_come_with_an_approximation(n):
 
 # ------------------------------------------------------------------------ limits and faults
 
-@pytest.mark.parametrize("expression", ["9**9**9**9", "factorial(10**10)",
-                                        "factorint(nextprime(10**60) * nextprime(10**70))"])
+
+@pytest.mark.parametrize(
+    "expression", ["9**9**9**9", "factorial(10**10)", "factorint(nextprime(10**60) * nextprime(10**70))"]
+)
 def test_pathological_input_times_out_and_the_tool_recovers(make_tool, expression):
     tool = make_tool(timeout=1)
     run(tool.start())
@@ -332,8 +389,11 @@ def test_evaluation_runs_in_the_sandbox(calc):
 
 
 def test_a_crash_of_the_evaluating_process_is_an_error_and_the_caller_goes_on(calc, monkeypatch):
-    monkeypatch.setattr(tools.calculator, "snippet",
-                        lambda expression, max_chars: "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setattr(
+        tools.calculator,
+        "snippet",
+        lambda expression, max_chars: "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
+    )
     result = ask(calc, "2+2")
     assert (result.ok, result.error) == (False, ErrorKind.RUNTIME), result
     assert result.text.startswith("Error: the evaluation crashed") and "SIGSEGV" in result.text
@@ -389,8 +449,13 @@ def test_evaluator_is_runnable_inside_the_sandbox():
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
     assert imported <= {"__future__", "ast", "functools", "json", "operator", "re", "typing", "sympy"}, imported
-    kinds = {n.args[0].value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
-             and getattr(n.func, "id", None) == "CalcError" and isinstance(n.args[0], ast.Constant)}
+    kinds = {
+        n.args[0].value
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "id", None) == "CalcError"
+        and isinstance(n.args[0], ast.Constant)
+    }
     assert kinds and all(isinstance(getattr(ErrorKind, k, None), str) for k in kinds), kinds
 
 

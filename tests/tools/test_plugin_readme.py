@@ -26,7 +26,7 @@ def adding_a_tool_section() -> str:
     match = HEADING.search(text)
     if not match:
         pytest.fail("no 'Adding a tool' section in README.md")
-    rest = text[match.end():]
+    rest = text[match.end() :]
     following = re.search(r"^##?\s", rest, re.MULTILINE)
     return rest[: following.start()] if following else rest
 
@@ -70,7 +70,7 @@ def test_entry_point_route_names_the_documented_class(user_module):
     import importlib
 
     table = tomllib.loads(blocks("toml")[0])["project"]["entry-points"]["otb_tir.tools"]
-    (name, target), = table.items()
+    ((name, target),) = table.items()
     module, attr = target.split(":")
     cls = getattr(importlib.import_module(module), attr)
     assert cls.name == name == "word_count"
@@ -86,7 +86,9 @@ def test_documented_commands_use_real_keys():
             words = [w for w in words if not w.startswith("PYTHONPATH=")]
             prog, args = words[0], words[1:]
             overrides = [a for a in args if "=" in a and not a.startswith("-")]
-            overrides = [o for o in overrides if not o.startswith("multi_turn.tool_config_path=")]  # file checked at run
+            overrides = [
+                o for o in overrides if not o.startswith("multi_turn.tool_config_path=")
+            ]  # file checked at run
             if prog == "otb-tir-train":
                 load_config(None, overrides)
             else:

@@ -38,14 +38,24 @@ def registered():
 
 # ---------------------------------------------------------------------------------- @tool schemas
 
+
 class Color(enum.Enum):
     RED = "red"
     BLUE = "blue"
 
 
-def kitchen_sink(a: int, b: float, c: str, d: bool, e: list[int], h: typing.Literal["x", "y"] = "x",
-                 j: int | str = 1, k: dict[str, int] | None = None, color: Color = Color.RED,
-                 maybe: typing.Optional[float] = None) -> str:
+def kitchen_sink(
+    a: int,
+    b: float,
+    c: str,
+    d: bool,
+    e: list[int],
+    h: typing.Literal["x", "y"] = "x",
+    j: int | str = 1,
+    k: dict[str, int] | None = None,
+    color: Color = Color.RED,
+    maybe: typing.Optional[float] = None,
+) -> str:
     """Do a thing with many arguments.
 
     A longer explanation.
@@ -81,8 +91,12 @@ def test_schema_from_signature_matches_transformers_get_json_schema():
         mine = {k: v for k, v in ours["properties"][name].items() if k != "default"}
         assert mine == theirs["parameters"]["properties"][name], name
     assert ours["properties"]["maybe"] == {"type": ["number", "null"], "description": "the maybe.", "default": None}
-    assert ours["properties"]["color"] == {"enum": ["red", "blue"], "type": "string", "description": "the color.",
-                                          "default": "red"}
+    assert ours["properties"]["color"] == {
+        "enum": ["red", "blue"],
+        "type": "string",
+        "description": "the color.",
+        "default": "red",
+    }
     assert ours["properties"]["k"]["anyOf"][0] == {"type": "object", "additionalProperties": {"type": "integer"}}
     assert ours["additionalProperties"] is False
     jsonschema.Draft202012Validator.check_schema(ours)
@@ -106,13 +120,16 @@ def test_numpy_docstring_and_annotated_descriptions():
     assert schema["required"] == ["x"]
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ("def f(x): pass", "no type hint"),
-    ("def f(*args: int): pass", "*args"),
-    ("def f(**kw: int): pass", "*args"),
-    ("def f(x: int, /): pass", "positional-only"),
-    ("def f(x: complex): pass", "no JSON-schema equivalent"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ("def f(x): pass", "no type hint"),
+        ("def f(*args: int): pass", "*args"),
+        ("def f(**kw: int): pass", "*args"),
+        ("def f(x: int, /): pass", "positional-only"),
+        ("def f(x: complex): pass", "no JSON-schema equivalent"),
+    ],
+)
 def test_schema_errors_are_tool_errors(bad, needle):
     namespace: dict = {}
     exec(bad, namespace)
@@ -178,11 +195,16 @@ def test_registering_twice(registered):
 
 # ---------------------------------------------------------------------------------- Tool.invoke
 
+
 class Echo(Tool):
     name = "echo"
     description = "Echo text, optionally repeated."
-    parameters = {"type": "object", "properties": {"text": {"type": "string"}, "times": {"type": "integer"}},
-                  "required": ["text"], "additionalProperties": False}
+    parameters = {
+        "type": "object",
+        "properties": {"text": {"type": "string"}, "times": {"type": "integer"}},
+        "required": ["text"],
+        "additionalProperties": False,
+    }
 
     def __init__(self, prefix: str = "", delay: float = 0.0) -> None:
         self.prefix, self.delay = prefix, delay
@@ -197,14 +219,17 @@ class Echo(Tool):
         return ToolResult(text=self.prefix + args["text"] * args.get("times", 1))
 
 
-@pytest.mark.parametrize("args, needle", [
-    ({}, "missing required argument 'text'"),
-    ({"text": 3}, "argument 'text' must be string, got integer 3"),
-    ({"text": "a", "times": "2"}, "argument 'times' must be integer"),
-    ({"text": "a", "colour": 1}, "unexpected argument 'colour'"),
-    (["a"], "must be a JSON object, got list"),
-    ('{"text": ', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ({}, "missing required argument 'text'"),
+        ({"text": 3}, "argument 'text' must be string, got integer 3"),
+        ({"text": "a", "times": "2"}, "argument 'times' must be integer"),
+        ({"text": "a", "colour": 1}, "unexpected argument 'colour'"),
+        (["a"], "must be a JSON object, got list"),
+        ('{"text": ', "not valid JSON"),
+    ],
+)
 def test_invoke_bad_arguments_become_error_results(args, needle):
     result = run(Echo().invoke(args))
     assert not result.ok and result.error == ErrorKind.BAD_ARGUMENTS
@@ -235,9 +260,11 @@ def _expected_valid(args) -> bool:
     return (isinstance(times, int) and not isinstance(times, bool)) or (isinstance(times, float) and times.is_integer())
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, width=32)
-                           | st.text(max_size=3), lambda c: st.lists(c, max_size=3)
-                           | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=6)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, width=32) | st.text(max_size=3),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=6,
+)
 arg_dicts = st.dictionaries(st.sampled_from(["text", "times", "other"]), json_values, max_size=3)
 
 
@@ -258,6 +285,7 @@ def test_invoke_never_raises_and_validates_like_the_oracle(args):
 
 # ---------------------------------------------------------------------------------- registry
 
+
 def test_unknown_name_and_config_keys_name_the_choices(registered):
     with pytest.raises(ToolError, match=r"unknown tool 'nope'; available tools: .*calculator.*python"):
         get_tool("nope")
@@ -272,14 +300,16 @@ def test_unknown_name_and_config_keys_name_the_choices(registered):
 
 
 def test_register_by_import_path_and_alias(registered, tmp_path, monkeypatch):
-    (tmp_path / "h3_lazy_mod.py").write_text(textwrap.dedent("""
+    (tmp_path / "h3_lazy_mod.py").write_text(
+        textwrap.dedent("""
         from tools import Tool, ToolResult
         class Shout(Tool):
             name = "shout"
             parameters = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
             async def call(self, args, *, session_id=None):
                 return ToolResult(text=args["s"].upper())
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     register_tool("h3_lazy_mod:Shout", name="loud")
     assert "h3_lazy_mod" not in sys.modules  # imported on first use only
@@ -307,9 +337,11 @@ def test_builtin_python_is_lazy():
 
 
 def test_import_tools_is_light():
-    code = ("import sys, tools; heavy = [m for m in ('verl', 'sympy', 'jsonschema', 'omegaconf', 'torch', "
-            "'transformers', 'tools.sandbox', 'tools.calculator', 'agent_env', 'otb_tir') if m in sys.modules]; "
-            "print(heavy)")
+    code = (
+        "import sys, tools; heavy = [m for m in ('verl', 'sympy', 'jsonschema', 'omegaconf', 'torch', "
+        "'transformers', 'tools.sandbox', 'tools.calculator', 'agent_env', 'otb_tir') if m in sys.modules]; "
+        "print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -317,7 +349,8 @@ def test_import_tools_is_light():
 def test_entry_point_plugin(registered, tmp_path, monkeypatch):
     """A third-party package registers through the `otb_tir.tools` entry-point group: a real
     dist-info on a sys.path entry, discovered by importlib.metadata."""
-    (tmp_path / "h3_plugin_pkg.py").write_text(textwrap.dedent("""
+    (tmp_path / "h3_plugin_pkg.py").write_text(
+        textwrap.dedent("""
         from tools import Tool, ToolResult
         class Reverse(Tool):
             name = "reverse"
@@ -328,12 +361,14 @@ def test_entry_point_plugin(registered, tmp_path, monkeypatch):
             async def call(self, args, *, session_id=None):
                 out = args["s"][::-1]
                 return ToolResult(text=out.upper() if self.upper else out)
-    """))
+    """)
+    )
     dist = tmp_path / "h3_plugin_pkg-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: h3-plugin-pkg\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text(
-        "[otb_tir.tools]\nreverse = h3_plugin_pkg:Reverse\nbroken_plugin = h3_plugin_pkg:DoesNotExist\n")
+        "[otb_tir.tools]\nreverse = h3_plugin_pkg:Reverse\nbroken_plugin = h3_plugin_pkg:DoesNotExist\n"
+    )
     assert "reverse" not in list_tools()
     monkeypatch.syspath_prepend(str(tmp_path))
     assert {"reverse", "broken_plugin"} <= set(list_tools())
@@ -390,7 +425,9 @@ def test_load_tools_ours_verl_shaped_and_registered(registered, tmp_path, monkey
         """Shout."""
         return text.upper()
 
-    path = _write_yaml(tmp_path, """
+    path = _write_yaml(
+        tmp_path,
+        """
         tools:
           - class_name: h3_verl_shaped.CounterTool
             config: {type: native, start: 10}
@@ -412,13 +449,19 @@ def test_load_tools_ours_verl_shaped_and_registered(registered, tmp_path, monkey
             tool_schema: {type: function, function: {name: yell, description: Yell it.}}
           - name: calculator
             config: {timeout: 3}
-    """)
+    """,
+    )
     counter, echo, yell, calc = load_tools(path)
     assert isinstance(counter, VerlToolAdapter)
-    assert counter.schema()["function"] == {"name": "counter", "description": "Add a step to a counter.",
-                                            "parameters": {"type": "object", "properties": {
-                                                "step": {"type": "integer", "description": "how much"}},
-                                                "required": ["step"]}}
+    assert counter.schema()["function"] == {
+        "name": "counter",
+        "description": "Add a step to a counter.",
+        "parameters": {
+            "type": "object",
+            "properties": {"step": {"type": "integer", "description": "how much"}},
+            "required": ["step"],
+        },
+    }
     mod = sys.modules["h3_verl_shaped"]
     one = run(counter.invoke({"step": 2}))
     assert (one.text, one.metrics["tool_reward"], one.metrics["calls"]) == ("count=12", 0.5, 1.0)
@@ -443,17 +486,26 @@ def test_load_tools_ours_verl_shaped_and_registered(registered, tmp_path, monkey
     assert calc.name == "calculator" and calc.timeout == 3.0
 
 
-@pytest.mark.parametrize("body, needle", [
-    ("nothing: here", "top-level 'tools:' list"),
-    ("tools:\n  - class_name: no_such_mod_h3.X", "cannot import module 'no_such_mod_h3'"),
-    ("tools:\n  - name: calculator\n    config: {colour: red}", r"unknown config key\(s\) \['colour'\]"),
-    ("tools:\n  - name: calculator\n    extra: 1", r"unknown key\(s\) \['extra'\]"),
-    ("tools:\n  - name: calculator\n  - name: calculator", "appear more than once"),
-    ("tools:\n  - name: calculator\n    class_name: x.Y", "exactly one of class_name"),
-    ("tools:\n  - name: calculator\n    tool_schema: {type: function, function: {description: d}}", "name is missing"),
-    ("tools:\n  - name: calculator\n    tool_schema: {type: function, function: {name: c, parameters: {type: wrong}}}",
-     "parameters must be a JSON schema"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("nothing: here", "top-level 'tools:' list"),
+        ("tools:\n  - class_name: no_such_mod_h3.X", "cannot import module 'no_such_mod_h3'"),
+        ("tools:\n  - name: calculator\n    config: {colour: red}", r"unknown config key\(s\) \['colour'\]"),
+        ("tools:\n  - name: calculator\n    extra: 1", r"unknown key\(s\) \['extra'\]"),
+        ("tools:\n  - name: calculator\n  - name: calculator", "appear more than once"),
+        ("tools:\n  - name: calculator\n    class_name: x.Y", "exactly one of class_name"),
+        (
+            "tools:\n  - name: calculator\n    tool_schema: {type: function, function: {description: d}}",
+            "name is missing",
+        ),
+        (
+            "tools:\n  - name: calculator\n"
+            "    tool_schema: {type: function, function: {name: c, parameters: {type: wrong}}}",
+            "parameters must be a JSON schema",
+        ),
+    ],
+)
 def test_load_tools_errors(tmp_path, body, needle):
     with pytest.raises(ToolError, match=needle):
         load_tools(_write_yaml(tmp_path, body))
@@ -469,7 +521,9 @@ def test_verl_base_tool_through_yaml_matches_verl_loader(tmp_path):
     pytest.importorskip("verl.tools.base_tool")
     from verl.tools.tool_registry import initialize_tools_from_config
 
-    path = _write_yaml(tmp_path, """
+    path = _write_yaml(
+        tmp_path,
+        """
         tools:
           - class_name: verl.tools.base_tool.BaseTool
             config: {type: native}
@@ -479,7 +533,8 @@ def test_verl_base_tool_through_yaml_matches_verl_loader(tmp_path):
                 name: noop
                 description: Update the state.
                 parameters: {type: object, properties: {x: {type: string, description: anything}}, required: [x]}
-    """)
+    """,
+    )
     (ours,) = load_tools(path)
     (theirs,) = initialize_tools_from_config(str(path))
     assert isinstance(ours, VerlToolAdapter)

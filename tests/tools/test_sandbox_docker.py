@@ -37,7 +37,9 @@ def test_container_spec() -> None:
     assert "--read-only" in cmd
     assert _flag(cmd, "--cap-drop") == "ALL" and _flag(cmd, "--ipc") == "none"
     added = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--cap-add"]
-    assert sorted(added) == sorted(["CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_CHOWN"])
+    assert sorted(added) == sorted(
+        ["CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_CHOWN"]
+    )
     assert _flag(cmd, "--security-opt") == "no-new-privileges"
     assert _flag(cmd, "--user") == "0:0"
     assert _flag(cmd, "--memory") == _flag(cmd, "--memory-swap") == "2048m"
@@ -46,11 +48,11 @@ def test_container_spec() -> None:
     assert tmpfs.startswith("/tmp:") and "size=64m" in tmpfs and "nosuid" in tmpfs
     assert _flag(cmd, "-v") == f"{WORKER_PATH}:{SANDBOX_WORKER_PATH}:ro"
     i = cmd.index("otb/sandbox:py311")
-    assert cmd[i - 2:i] == ["--entrypoint", "python"]
-    assert cmd[i + 1:i + 3] == ["-I", SANDBOX_WORKER_PATH]
+    assert cmd[i - 2 : i] == ["--entrypoint", "python"]
+    assert cmd[i + 1 : i + 3] == ["-I", SANDBOX_WORKER_PATH]
     assert json.loads(cmd[i + 3])["memory_mb"] == 512
     # everything before the image is a docker option, nothing after it is
-    assert all(not a.startswith("--") or a == "--entrypoint" for a in cmd[i + 1:i + 3])
+    assert all(not a.startswith("--") or a == "--entrypoint" for a in cmd[i + 1 : i + 3])
 
 
 @dataclass
@@ -70,8 +72,9 @@ class LocalDockerBackend(DockerBackend):
 
 def test_protocol_and_recycling_with_a_local_worker(tmp_path) -> None:
     backend = LocalDockerBackend(scratch=str(tmp_path / "scratch"))
-    t = PythonTool(backend=backend, workers=1, recycle_after=3, cache=False, timeout=2.0,
-                   preload=("math",), max_output_chars=300)
+    t = PythonTool(
+        backend=backend, workers=1, recycle_after=3, cache=False, timeout=2.0, preload=("math",), max_output_chars=300
+    )
 
     async def scenario():
         await t.start()
@@ -118,6 +121,7 @@ def docker_problem() -> str | None:
     return None
 
 
+@pytest.mark.docker
 def test_real_container_is_isolated_and_limited() -> None:
     """The docker backend for real: the locally built image, a running daemon (.ci/run starts one).
     The security probes of test_sandbox_security.py run against this backend too."""
@@ -128,11 +132,15 @@ def test_real_container_is_isolated_and_limited() -> None:
 
     async def scenario():
         try:
-            return [await t.call({"code": c}) for c in (
-                "import os, numpy, sympy\nprint(os.getuid() != 0, int(numpy.arange(4).sum()), sympy.Integer(7))",
-                "import socket\nsocket.create_connection(('1.1.1.1', 53), 2)",
-                "while True: pass",
-                "open('/etc/escape', 'w')")], t.pool.workers[0].info
+            return [
+                await t.call({"code": c})
+                for c in (
+                    "import os, numpy, sympy\nprint(os.getuid() != 0, int(numpy.arange(4).sum()), sympy.Integer(7))",
+                    "import socket\nsocket.create_connection(('1.1.1.1', 53), 2)",
+                    "while True: pass",
+                    "open('/etc/escape', 'w')",
+                )
+            ], t.pool.workers[0].info
         finally:
             await t.close()
 

@@ -133,8 +133,13 @@ def test_episode_metrics_count_the_retries(loop, tiny_tokenizer):
 
     t = PythonTool(backend=BACKEND, workers=1, preload=LIGHT, cache=False, timeout=10.0)
     im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    replies = iter(['<tool_call>\n{"name": "python", "arguments": {"code": "import time\\ntime.sleep(1)\\nprint(7)"}}'
-                    '\n</tool_call>', "The answer is \\boxed{7}."])
+    replies = iter(
+        [
+            '<tool_call>\n{"name": "python", "arguments": {"code": "import time\\ntime.sleep(1)\\nprint(7)"}}'
+            '\n</tool_call>',
+            "The answer is \\boxed{7}.",
+        ]
+    )
 
     class Scripted:
         async def generate(self, prompt_ids, params):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -29,18 +30,24 @@ _HDR = struct.Struct(">I")
 # what a snippet can observe of the process it runs in; every variant must answer alike
 BATTERY = [
     ("print(sum(range(1000)))", "499500\n"),
-    ("import threading\nout = []\n"
-     "ts = [threading.Thread(target=lambda v=v: out.append(v * v)) for v in range(5)]\n"
-     "for t in ts:\n    t.start()\nfor t in ts:\n    t.join()\n"
-     "print(sorted(out), threading.current_thread() is threading.main_thread(), "
-     "threading.active_count())",
-     "[0, 1, 4, 9, 16] True 1\n"),
-    ("import os\npid = os.fork()\nif pid == 0:\n    print('in child', flush=True)\n    os._exit(3)\n"
-     "_, st = os.waitpid(pid, 0)\nprint('child exit', os.waitstatus_to_exitcode(st))",
-     "in child\nchild exit 3\n"),
+    (
+        "import threading\nout = []\n"
+        "ts = [threading.Thread(target=lambda v=v: out.append(v * v)) for v in range(5)]\n"
+        "for t in ts:\n    t.start()\nfor t in ts:\n    t.join()\n"
+        "print(sorted(out), threading.current_thread() is threading.main_thread(), "
+        "threading.active_count())",
+        "[0, 1, 4, 9, 16] True 1\n",
+    ),
+    (
+        "import os\npid = os.fork()\nif pid == 0:\n    print('in child', flush=True)\n    os._exit(3)\n"
+        "_, st = os.waitpid(pid, 0)\nprint('child exit', os.waitstatus_to_exitcode(st))",
+        "in child\nchild exit 3\n",
+    ),
     ("def f(n):\n    return 1 / n\nf(0)", None),  # traceback checked below
-    ("import socket\ntry:\n    socket.socket()\nexcept OSError as e:\n    print('blocked', e.errno)",
-     "blocked 1\n"),  # seccomp: EPERM
+    (
+        "import socket\ntry:\n    socket.socket()\nexcept OSError as e:\n    print('blocked', e.errno)",
+        "blocked 1\n",
+    ),  # seccomp: EPERM
     ("import os\nprint(os.getuid() != 0, os.getpgid(0) == os.getpid())", "True True\n"),
 ]
 
@@ -58,11 +65,9 @@ def test_worker_options_are_validated() -> None:
             PythonTool(backend="unisolated", worker_options=bad)
 
 
-@pytest.mark.parametrize("options", [{}, {"raw_fork": False, "thp": False}],
-                         ids=["default", "switches-off"])
+@pytest.mark.parametrize("options", [{}, {"raw_fork": False, "thp": False}], ids=["default", "switches-off"])
 def test_switches_do_not_change_what_snippets_see(loop, options) -> None:
-    t = PythonTool(backend=BACKEND, workers=1, cache=False, preload=LIGHT, timeout=10.0,
-                   worker_options=options)
+    t = PythonTool(backend=BACKEND, workers=1, cache=False, preload=LIGHT, timeout=10.0, worker_options=options)
     try:
         loop.run_until_complete(t.start())
         info = t.pool.workers[0].info
@@ -73,7 +78,7 @@ def test_switches_do_not_change_what_snippets_see(loop, options) -> None:
             r = call(loop, t, code)
             if expected is None:
                 assert r.error == ErrorKind.RUNTIME and "ZeroDivisionError" in r.text
-                assert 'File "<snippet>", line 3' in r.text and "worker.py" not in r.text
+                assert 'File "<snippet>", line 3' in r.text and not re.search(r"worker\w*\.py", r.text)
             else:
                 assert (r.ok, r.text) == (True, expected), code
         # children are reseeded even though CPython's at-fork hook (random's reseed) is skipped
@@ -102,11 +107,20 @@ def test_prefault_learns_hot_pages_and_spares_them_faults() -> None:
     snippets used sympy, idle spares copy them in advance, so the snippet's own run takes far
     fewer page faults; a plain snippet is unaffected and every answer is unchanged."""
     backend = make_backend(BACKEND)
-    cfg = backend.worker_config({"memory_mb": 1024, "fsize_mb": 16, "nofile": 64, "nproc": 32,
-                                 "preload": ["math", "numpy", "sympy"], "seccomp": True,
-                                 "stateful": False, "prefault": True, "profile": True})
-    proc = subprocess.Popen(backend.command(cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=_minimal_env())
+    cfg = backend.worker_config(
+        {
+            "memory_mb": 1024,
+            "fsize_mb": 16,
+            "nofile": 64,
+            "nproc": 32,
+            "preload": ["math", "numpy", "sympy"],
+            "seccomp": True,
+            "stateful": False,
+            "prefault": True,
+            "profile": True,
+        }
+    )
+    proc = subprocess.Popen(backend.command(cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_minimal_env())
     code = "import sympy as sp\nx = sp.Symbol('x')\nprint(sp.factor(x**6 - 1))"
     try:
         ready = _read(proc)
@@ -129,8 +143,7 @@ def test_prefault_learns_hot_pages_and_spares_them_faults() -> None:
         assert len(prefaulted) >= 3, runs
         assert max(prefaulted) < 0.8 * runs[0][0], runs
         # a snippet that uses neither library still works from a prefaulted spare
-        _write(proc, {"op": "run", "id": 99, "code": "print(2 ** 10)", "timeout": 10,
-                      "max_output": 100})
+        _write(proc, {"op": "run", "id": 99, "code": "print(2 ** 10)", "timeout": 10, "max_output": 100})
         reply = _read(proc)
         assert (reply["status"], reply["output"]) == ("ok", "1024\n")
         assert _read(proc)["op"] == "idle"

@@ -15,8 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.tools.test_sandbox import (BWRAP_PROBLEMS, HAVE_BWRAP, LIGHT, call, processes_with_uids, proc_table,
-                                      settle, tool_processes, tool_uids)
+from tests.tools.test_sandbox import (
+    BWRAP_PROBLEMS,
+    HAVE_BWRAP,
+    LIGHT,
+    call,
+    proc_table,
+    processes_with_uids,
+    settle,
+    tool_processes,
+    tool_uids,
+)
 from tools.base import ErrorKind
 from tools.sandbox import PythonTool
 
@@ -33,6 +42,7 @@ def require_docker() -> None:
         if os.environ.get("CI"):
             raise RuntimeError(f"the docker backend cannot run in CI: {why}")
         pytest.skip(why)
+
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET_NAME = "OTB_SANDBOX_TEST_SECRET"
@@ -53,8 +63,7 @@ def tool(loop, request) -> Iterator[PythonTool]:
     if request.param == "docker":
         require_docker()
     os.environ[SECRET_NAME] = SECRET  # the trainer's environment holds a secret
-    t = PythonTool(backend=request.param, workers=WORKERS, timeout=3.0, max_output_chars=2000,
-                   cache=False)
+    t = PythonTool(backend=request.param, workers=WORKERS, timeout=3.0, max_output_chars=2000, cache=False)
     loop.run_until_complete(t.start())
     yield t
     loop.run_until_complete(t.close())
@@ -87,22 +96,31 @@ def assert_only_spares_left(loop, tool: PythonTool, baseline: set[int]) -> None:
 
 # ----------------------------------------------------------------------------- reading
 def test_cannot_read_shadow_root_or_trainer_files(loop, tool) -> None:
-    targets = ["/etc/shadow", "/etc/passwd", "/etc/hostname", str(REPO / "pyproject.toml"),
-               __file__, str(REPO / ".git" / "HEAD")]
+    targets = [
+        "/etc/shadow",
+        "/etc/passwd",
+        "/etc/hostname",
+        str(REPO / "pyproject.toml"),
+        __file__,
+        str(REPO / ".git" / "HEAD"),
+    ]
     root_files = [str(p) for p in Path("/root").iterdir() if p.is_file()][:5]
-    code = ("import os\nfor p in %r:\n"
-            "    try:\n        data = open(p, 'rb').read(200)\n        print('READ', p, data)\n"
-            "    except OSError as e:\n        print('denied', p, type(e).__name__)\n"
-            "for d in ('/root', %r, '/work'):\n"
-            "    try:\n        print('LIST', d, os.listdir(d))\n"
-            "    except OSError as e:\n        print('denied', d, type(e).__name__)\n"
-            % (targets + root_files, str(REPO)))
+    code = (
+        "import os\nfor p in %r:\n"
+        "    try:\n        data = open(p, 'rb').read(200)\n        print('READ', p, data)\n"
+        "    except OSError as e:\n        print('denied', p, type(e).__name__)\n"
+        "for d in ('/root', %r, '/work'):\n"
+        "    try:\n        print('LIST', d, os.listdir(d))\n"
+        "    except OSError as e:\n        print('denied', d, type(e).__name__)\n" % (targets + root_files, str(REPO))
+    )
     r = call(loop, tool, code)
     assert r.ok, r.text
     if tool.backend.name == "docker":
         # the container has its own /etc/passwd and /etc/hostname (from the image): readable, and
         # nothing of the host's
-        own = [ln for ln in r.text.splitlines() if ln.startswith("READ /etc/passwd") or ln.startswith("READ /etc/hostname")]
+        own = [
+            ln for ln in r.text.splitlines() if ln.startswith("READ /etc/passwd") or ln.startswith("READ /etc/hostname")
+        ]
         assert len(own) == 2 and Path("/etc/passwd").read_bytes()[:40].decode() not in r.text
         assert open("/etc/hostname").read().strip() not in "".join(own)
         targets = [t for t in targets if t not in ("/etc/passwd", "/etc/hostname")]
@@ -113,11 +131,13 @@ def test_cannot_read_shadow_root_or_trainer_files(loop, tool) -> None:
 
 
 def test_cannot_see_trainer_environment(loop, tool) -> None:
-    code = ("import os\nprint(dict(os.environ))\n"
-            "for pid in os.listdir('/proc'):\n    if pid.isdigit():\n"
-            "        for f in ('environ', 'cmdline'):\n"
-            "            try:\n                print(pid, f, open(f'/proc/{pid}/{f}', 'rb').read())\n"
-            "            except OSError as e:\n                print(pid, f, 'denied')\n")
+    code = (
+        "import os\nprint(dict(os.environ))\n"
+        "for pid in os.listdir('/proc'):\n    if pid.isdigit():\n"
+        "        for f in ('environ', 'cmdline'):\n"
+        "            try:\n                print(pid, f, open(f'/proc/{pid}/{f}', 'rb').read())\n"
+        "            except OSError as e:\n                print(pid, f, 'denied')\n"
+    )
     r = call(loop, tool, code)
     assert r.ok, r.text
     assert SECRET not in r.text and SECRET_NAME not in r.text
@@ -125,11 +145,13 @@ def test_cannot_see_trainer_environment(loop, tool) -> None:
 
 
 def test_cannot_read_parent_proc(loop, tool) -> None:
-    code = ("import os\nppid = os.getppid()\n"
-            "for f in ('environ', 'mem', 'maps', 'fd/0', 'root/etc/hostname', 'stack'):\n"
-            "    try:\n        open(f'/proc/{ppid}/{f}', 'rb').read(10)\n        print('READ', f)\n"
-            "    except OSError as e:\n        print('denied', f)\n"
-            "print(len([p for p in os.listdir('/proc') if p.isdigit()]), 'pids visible')")
+    code = (
+        "import os\nppid = os.getppid()\n"
+        "for f in ('environ', 'mem', 'maps', 'fd/0', 'root/etc/hostname', 'stack'):\n"
+        "    try:\n        open(f'/proc/{ppid}/{f}', 'rb').read(10)\n        print('READ', f)\n"
+        "    except OSError as e:\n        print('denied', f)\n"
+        "print(len([p for p in os.listdir('/proc') if p.isdigit()]), 'pids visible')"
+    )
     r = call(loop, tool, code)
     assert r.ok and "READ" not in r.text and r.text.count("denied") == 6, r.text
     visible = int(r.text.splitlines()[-1].split()[0])
@@ -139,24 +161,39 @@ def test_cannot_read_parent_proc(loop, tool) -> None:
 # ----------------------------------------------------------------------------- writing
 def test_cannot_write_outside_scratch(loop, tool) -> None:
     tag = uuid.uuid4().hex
-    host_paths = [f"/tmp/otb_escape_{tag}", str(REPO / f"escape_{tag}"),
-                  os.path.join(sys.prefix, f"escape_{tag}"), f"/etc/escape_{tag}",
-                  f"/dev/shm/escape_{tag}", f"/usr/escape_{tag}", f"/opt/escape_{tag}",
-                  f"/root/escape_{tag}", "/opt/otb_sandbox/worker.py"]
-    code = ("for p in %r:\n    try:\n        open(p, 'a').write('pwned')\n        print('WROTE', p)\n"
-            "    except OSError as e:\n        print('denied', p)\n"
-            "open('ok.txt', 'w').write('fine')\nprint('scratch ok')" % host_paths)
-    worker_src = (REPO / "tools" / "sandbox" / "worker.py").read_bytes()
+    host_paths = [
+        f"/tmp/otb_escape_{tag}",
+        str(REPO / f"escape_{tag}"),
+        os.path.join(sys.prefix, f"escape_{tag}"),
+        f"/etc/escape_{tag}",
+        f"/dev/shm/escape_{tag}",
+        f"/usr/escape_{tag}",
+        f"/opt/escape_{tag}",
+        f"/root/escape_{tag}",
+    ]
+    from tools.sandbox.backends import WORKER_FILES
+
+    worker_files = [(Path(host), inside) for host, inside in WORKER_FILES]  # every file the worker loads
+    host_paths += [inside for _, inside in worker_files]
+    code = (
+        "for p in %r:\n    try:\n        open(p, 'a').write('pwned')\n        print('WROTE', p)\n"
+        "    except OSError as e:\n        print('denied', p)\n"
+        "open('ok.txt', 'w').write('fine')\nprint('scratch ok')" % host_paths
+    )
+    worker_src = {host: host.read_bytes() for host, _ in worker_files}
     r = call(loop, tool, code)
     assert r.ok and "WROTE" not in r.text and "scratch ok" in r.text, r.text
-    for p in host_paths[:-1]:
+    assert r.text.count("denied") == len(host_paths), r.text
+    for p in host_paths[: -len(worker_files)]:
         assert not os.path.exists(p), p
-    assert (REPO / "tools" / "sandbox" / "worker.py").read_bytes() == worker_src
+    assert {host: host.read_bytes() for host, _ in worker_files} == worker_src
 
 
 def test_hundred_megabyte_file_is_refused(loop, tool) -> None:
-    code = ("with open('big.bin', 'wb') as f:\n    for i in range(100):\n"
-            "        f.write(b'\\0' * (1 << 20))\n        f.flush()")
+    code = (
+        "with open('big.bin', 'wb') as f:\n    for i in range(100):\n"
+        "        f.write(b'\\0' * (1 << 20))\n        f.flush()"
+    )
     r = call(loop, tool, code)
     assert (r.ok, r.error) == (False, ErrorKind.RUNTIME)
     assert "File too large" in r.text or "No space left" in r.text, r.text
@@ -173,11 +210,13 @@ def test_no_tcp_to_a_loopback_listener(loop, tool) -> None:
     srv.setblocking(False)
     port = srv.getsockname()[1]
     try:
-        code = ("import socket\nfor fam, addr in ((socket.AF_INET, ('127.0.0.1', %d)),"
-                " (socket.AF_UNIX, '/tmp/x')):\n"
-                "    try:\n        s = socket.socket(fam, socket.SOCK_STREAM)\n"
-                "        s.settimeout(1)\n        s.connect(addr)\n        print('CONNECTED')\n"
-                "    except OSError as e:\n        print('blocked', e.errno)\n" % port)
+        code = (
+            "import socket\nfor fam, addr in ((socket.AF_INET, ('127.0.0.1', %d)),"
+            " (socket.AF_UNIX, '/tmp/x')):\n"
+            "    try:\n        s = socket.socket(fam, socket.SOCK_STREAM)\n"
+            "        s.settimeout(1)\n        s.connect(addr)\n        print('CONNECTED')\n"
+            "    except OSError as e:\n        print('blocked', e.errno)\n" % port
+        )
         r = call(loop, tool, code)
         assert r.ok and "CONNECTED" not in r.text and r.text.count("blocked 1") == 2, r.text
         time.sleep(0.2)
@@ -190,9 +229,11 @@ def test_no_tcp_to_a_loopback_listener(loop, tool) -> None:
 # ----------------------------------------------------------------------------- processes
 def test_fork_bomb_is_capped_and_cleaned_up(loop, tool) -> None:
     baseline = settled_processes(loop, tool)
-    code = ("import os, time\nn = 0\nfor i in range(200):\n    try:\n        pid = os.fork()\n"
-            "    except OSError as e:\n        print('fork refused:', type(e).__name__)\n        break\n"
-            "    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint('forked', n)")
+    code = (
+        "import os, time\nn = 0\nfor i in range(200):\n    try:\n        pid = os.fork()\n"
+        "    except OSError as e:\n        print('fork refused:', type(e).__name__)\n        break\n"
+        "    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint('forked', n)"
+    )
     r = call(loop, tool, code)
     assert r.ok, r.text
     forked = int(r.text.split("forked")[1].split()[0])
@@ -202,13 +243,15 @@ def test_fork_bomb_is_capped_and_cleaned_up(loop, tool) -> None:
 
 def test_daemonized_child_does_not_outlive_the_snippet(loop, tool) -> None:
     baseline = settled_processes(loop, tool)
-    code = ("import os, time, signal\npid = os.fork()\nif pid == 0:\n"
-            "    for escape in (os.setsid, lambda: os.setpgid(0, 0)):\n"
-            "        try:\n            escape()\n            print('ESCAPED', flush=True)\n"
-            "        except OSError as e:\n            print('blocked', e.errno, flush=True)\n"
-            "    signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-            "    if os.fork() == 0:\n        time.sleep(30)\n        os._exit(0)\n    os._exit(0)\n"
-            "os.waitpid(pid, 0)\nprint('parent done')")
+    code = (
+        "import os, time, signal\npid = os.fork()\nif pid == 0:\n"
+        "    for escape in (os.setsid, lambda: os.setpgid(0, 0)):\n"
+        "        try:\n            escape()\n            print('ESCAPED', flush=True)\n"
+        "        except OSError as e:\n            print('blocked', e.errno, flush=True)\n"
+        "    signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        "    if os.fork() == 0:\n        time.sleep(30)\n        os._exit(0)\n    os._exit(0)\n"
+        "os.waitpid(pid, 0)\nprint('parent done')"
+    )
     r = call(loop, tool, code)
     assert r.ok and "ESCAPED" not in r.text and r.text.count("blocked 1") == 2, r.text
     assert_only_spares_left(loop, tool, baseline)
@@ -217,11 +260,13 @@ def test_daemonized_child_does_not_outlive_the_snippet(loop, tool) -> None:
 def test_cannot_kill_the_worker_or_init(loop, tool) -> None:
     before = worker_pids(tool)
     respawned = tool.pool.respawned
-    code = ("import os, signal\nfor target in (os.getppid(), 1):\n    try:\n"
-            "        os.kill(target, signal.SIGKILL)\n        print('KILLED', target)\n"
-            "    except PermissionError:\n        print('denied', target)\n"
-            "try:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print('kill -1:', e)\n"
-            "print('still here')")
+    code = (
+        "import os, signal\nfor target in (os.getppid(), 1):\n    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n        print('KILLED', target)\n"
+        "    except PermissionError:\n        print('denied', target)\n"
+        "try:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print('kill -1:', e)\n"
+        "print('still here')"
+    )
     r = call(loop, tool, code)
     assert r.ok and "KILLED" not in r.text and r.text.count("denied") == 2, r.text
     assert "still here" in r.text
@@ -230,12 +275,14 @@ def test_cannot_kill_the_worker_or_init(loop, tool) -> None:
 
 
 def test_ptrace_and_namespace_escapes_are_blocked(loop, tool) -> None:
-    code = ("import ctypes, os, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "print('attach', libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())\n"
-            "print('traceme', libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"
-            "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
-            "print('mount', libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
-            "print('setuid', libc.setuid(0), ctypes.get_errno())")
+    code = (
+        "import ctypes, os, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('attach', libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())\n"
+        "print('traceme', libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"
+        "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+        "print('mount', libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
+        "print('setuid', libc.setuid(0), ctypes.get_errno())"
+    )
     r = call(loop, tool, code)
     assert r.ok, r.text
     for line in r.text.splitlines():
@@ -251,8 +298,11 @@ def test_eight_gigabyte_allocation_fails_cleanly(loop, tool) -> None:
     r = call(loop, tool, "import numpy as np\na = np.ones(2 ** 30)")
     assert (r.ok, r.error) == (False, ErrorKind.MEMORY), r.text
     # cumulative growth hits the address-space cap too (np.empty: virtual, so it's quick here)
-    r = call(loop, tool, "import numpy as np\nchunks = []\nwhile True:\n"
-                         "    chunks.append(np.empty(64 << 20, dtype=np.uint8))")
+    r = call(
+        loop,
+        tool,
+        "import numpy as np\nchunks = []\nwhile True:\n    chunks.append(np.empty(64 << 20, dtype=np.uint8))",
+    )
     assert r.error == ErrorKind.MEMORY, r.text
     assert time.perf_counter() - t0 < 10
 
@@ -268,8 +318,7 @@ def test_infinite_loop_times_out(loop, tool) -> None:
 
 def test_hundred_megabytes_of_output_are_cut(loop, tool) -> None:
     t0 = time.perf_counter()
-    r = call(loop, tool, "import sys\nchunk = 'y' * (1 << 20)\nfor _ in range(100):\n"
-                         "    sys.stdout.write(chunk)")
+    r = call(loop, tool, "import sys\nchunk = 'y' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)")
     assert r.ok and r.error == ErrorKind.OUTPUT_CUT
     assert len(r.text) < 2000 + 200 and "output truncated" in r.text
     assert time.perf_counter() - t0 < 3.0 + 2  # cut early, not after the timeout
@@ -341,11 +390,17 @@ def test_sixty_four_concurrent_calls(loop, tool) -> None:
     assert all(r.ok for r in results)
 
 
-@pytest.mark.parametrize("args,kind", [
-    (None, ErrorKind.BAD_ARGUMENTS), ({"code": 1}, ErrorKind.BAD_ARGUMENTS),
-    ({"source": "print(1)"}, ErrorKind.BAD_ARGUMENTS), ({"code": "\ud800"}, ErrorKind.SYNTAX),
-    ({"code": "\x00"}, ErrorKind.SYNTAX), ({"code": "print('é\\u2603')"}, None),
-])
+@pytest.mark.parametrize(
+    "args,kind",
+    [
+        (None, ErrorKind.BAD_ARGUMENTS),
+        ({"code": 1}, ErrorKind.BAD_ARGUMENTS),
+        ({"source": "print(1)"}, ErrorKind.BAD_ARGUMENTS),
+        ({"code": "\ud800"}, ErrorKind.SYNTAX),
+        ({"code": "\x00"}, ErrorKind.SYNTAX),
+        ({"code": "print('é\\u2603')"}, None),
+    ],
+)
 def test_malformed_arguments(loop, tool, args, kind) -> None:
     r = loop.run_until_complete(tool.call(args))
     assert r.error == kind, r

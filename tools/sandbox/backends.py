@@ -31,13 +31,12 @@ SANDBOX_WORKER_PATH = "/opt/otb_sandbox/worker.py"
 # of the otb-tir tree is
 WORKER_FILES = [(WORKER_PATH, SANDBOX_WORKER_PATH)] + [
     (str(Path(__file__).with_name(name)), str(Path(SANDBOX_WORKER_PATH).with_name(name)))
-    for name in ("worker_child.py", "worker_seccomp.py", "worker_snippet.py",
-                 "worker_prefault.py", "worker_profile.py")]
+    for name in ("worker_child.py", "worker_seccomp.py", "worker_snippet.py", "worker_prefault.py", "worker_profile.py")
+]
 SCRATCH = "/tmp/scratch"
 # capabilities the (trusted) worker keeps inside bubblewrap, to drop its children to their uid,
 # kill their leftovers and wipe their scratch; children lose all of them at setuid
-_WORKER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE", "CAP_FOWNER",
-                "CAP_CHOWN")
+_WORKER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_CHOWN")
 
 _uid_counter = itertools.count()
 _announced: set[str] = set()
@@ -73,8 +72,10 @@ class UnisolatedBackend(Backend):
     (rlimits, seccomp, uid drop when the trainer runs as root). Never chosen by ``auto``."""
 
     name: str = "unisolated"
-    level: str = ("UNISOLATED process (explicit opt-in): rlimits + seccomp + uid drop when root; no filesystem, "
-                  "network or pid namespace: snippets can read world-readable host files and write shared dirs")
+    level: str = (
+        "UNISOLATED process (explicit opt-in): rlimits + seccomp + uid drop when root; no filesystem, "
+        "network or pid namespace: snippets can read world-readable host files and write shared dirs"
+    )
     python: str = sys.executable
     scratch_root: str | None = None
 
@@ -86,7 +87,8 @@ class UnisolatedBackend(Backend):
             # lives in a private directory (e.g. /root/.pyenv): import the usual modules before
             # the uid drop; other lazy imports fail in this mode (documented)
             cfg["preload"] = list(cfg.get("preload", [])) + [
-                m for m in FALLBACK_STDLIB if m not in cfg.get("preload", [])]
+                m for m in FALLBACK_STDLIB if m not in cfg.get("preload", [])
+            ]
         import tempfile
 
         cfg["scratch"] = tempfile.mkdtemp(prefix="otb-sandbox-", dir=self.scratch_root)
@@ -97,12 +99,55 @@ class UnisolatedBackend(Backend):
 
 
 FALLBACK_STDLIB = (
-    "math", "cmath", "fractions", "decimal", "numbers", "statistics", "random", "itertools",
-    "functools", "operator", "collections", "collections.abc", "heapq", "bisect", "array", "copy",
-    "re", "string", "textwrap", "unicodedata", "json", "csv", "io", "struct", "base64",
-    "hashlib", "zlib", "datetime", "time", "calendar", "typing", "dataclasses", "enum", "pprint",
-    "socket", "subprocess", "threading", "queue", "pickle", "traceback", "warnings", "ctypes",
-    "xml.etree.ElementTree", "urllib.parse", "pathlib", "tempfile", "shutil", "glob", "timeit",
+    "math",
+    "cmath",
+    "fractions",
+    "decimal",
+    "numbers",
+    "statistics",
+    "random",
+    "itertools",
+    "functools",
+    "operator",
+    "collections",
+    "collections.abc",
+    "heapq",
+    "bisect",
+    "array",
+    "copy",
+    "re",
+    "string",
+    "textwrap",
+    "unicodedata",
+    "json",
+    "csv",
+    "io",
+    "struct",
+    "base64",
+    "hashlib",
+    "zlib",
+    "datetime",
+    "time",
+    "calendar",
+    "typing",
+    "dataclasses",
+    "enum",
+    "pprint",
+    "socket",
+    "subprocess",
+    "threading",
+    "queue",
+    "pickle",
+    "traceback",
+    "warnings",
+    "ctypes",
+    "xml.etree.ElementTree",
+    "urllib.parse",
+    "pathlib",
+    "tempfile",
+    "shutil",
+    "glob",
+    "timeit",
 )
 
 
@@ -149,8 +194,13 @@ class BwrapBackend(Backend):
     def python_paths(self) -> list[str]:
         """What the interpreter needs: sys.prefix (the venv), sys.base_prefix, and the directory
         of the real executable, bound read-only at the same paths."""
-        paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                 str(Path(os.path.realpath(self.python)).parent.parent)}
+        paths = {
+            sys.prefix,
+            sys.base_prefix,
+            sys.exec_prefix,
+            sys.base_exec_prefix,
+            str(Path(os.path.realpath(self.python)).parent.parent),
+        }
         out: list[str] = []
         for p in sorted(paths, key=len):
             if p.startswith("/usr/") or p == "/usr":
@@ -163,19 +213,49 @@ class BwrapBackend(Backend):
     def command(self, cfg: dict[str, Any]) -> list[str]:
         cmd = [self.bwrap]
         if os.geteuid() == 0:
-            cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-                    "--unshare-cgroup-try", "--cap-drop", "ALL"]
+            cmd += [
+                "--unshare-ipc",
+                "--unshare-pid",
+                "--unshare-net",
+                "--unshare-uts",
+                "--unshare-cgroup-try",
+                "--cap-drop",
+                "ALL",
+            ]
             for cap in _WORKER_CAPS:
                 cmd += ["--cap-add", cap]
         else:
             cmd += ["--unshare-all"]
-        cmd += ["--die-with-parent", "--new-session", "--clearenv", "--as-pid-1",
-                "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-                "--setenv", "HOME", SCRATCH, "--setenv", "LANG", "C.UTF-8",
-                "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-                "--setenv", "OPENBLAS_NUM_THREADS", "1", "--setenv", "OMP_NUM_THREADS", "1",
-                "--setenv", "MKL_NUM_THREADS", "1",
-                "--ro-bind", "/usr", "/usr"]
+        cmd += [
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--as-pid-1",
+            "--setenv",
+            "PATH",
+            "/usr/local/bin:/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            SCRATCH,
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--setenv",
+            "PYTHONDONTWRITEBYTECODE",
+            "1",
+            "--setenv",
+            "OPENBLAS_NUM_THREADS",
+            "1",
+            "--setenv",
+            "OMP_NUM_THREADS",
+            "1",
+            "--setenv",
+            "MKL_NUM_THREADS",
+            "1",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+        ]
         for top in ("lib", "lib64", "bin", "sbin", "lib32", "libx32"):
             p = Path("/") / top
             if p.is_symlink():
@@ -203,9 +283,18 @@ class BwrapBackend(Backend):
             cmd += ["--ro-bind", p, p]
         for host, inside in WORKER_FILES:
             cmd += ["--ro-bind", host, inside]
-        cmd += ["--proc", "/proc", "--dev", "/dev",
-                "--chdir", "/tmp",
-                self.python, "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]
+        cmd += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--chdir",
+            "/tmp",
+            self.python,
+            "-I",
+            SANDBOX_WORKER_PATH,
+            json.dumps(cfg),
+        ]
         return cmd
 
 
@@ -221,8 +310,10 @@ class DockerBackend(Backend):
     pyseccomp; the worker's files are bind-mounted read-only."""
 
     name: str = "docker"
-    level: str = ("docker container (--network none, read-only root, capabilities dropped but the worker's six) "
-                  "+ rlimits + seccomp + uid drop")
+    level: str = (
+        "docker container (--network none, read-only root, capabilities dropped but the worker's six) "
+        "+ rlimits + seccomp + uid drop"
+    )
     image: str = "otb-tir/sandbox:py311"  # built locally: python -m tools.sandbox.docker_image
     docker: str = "docker"
     memory_mb: int = 2048
@@ -240,22 +331,54 @@ class DockerBackend(Backend):
         return cfg
 
     def command(self, cfg: dict[str, Any]) -> list[str]:
-        return [self.docker, "run", "-i", "--rm", "--init=false",
-                # so an operator (and the tests) can find the containers a trainer started
-                "--label", f"otb_tir.sandbox_owner={os.getpid()}",
-                "--network", "none", "--ipc", "none", "--read-only",  # --ipc none: no shared /dev/shm
-                "--tmpfs", f"/tmp:rw,nosuid,nodev,size={int(self.tmp_size_mb)}m,mode=0755",
-                "--memory", f"{int(self.memory_mb)}m", "--memory-swap", f"{int(self.memory_mb)}m",
-                "--pids-limit", str(int(self.pids_limit)), "--cpus", str(self.cpus),
-                "--cap-drop", "ALL", *[a for cap in _WORKER_CAPS for a in ("--cap-add", cap)],
-                "--security-opt", "no-new-privileges",
-                "--user", self.user,
-                "-e", "OPENBLAS_NUM_THREADS=1", "-e", "OMP_NUM_THREADS=1",
-                "-e", f"HOME={SCRATCH}", "-w", "/tmp",
-                *[a for host, inside in WORKER_FILES for a in ("-v", f"{host}:{inside}:ro")],
-                *self.extra_args,
-                "--entrypoint", self.container_python, self.image,
-                "-I", SANDBOX_WORKER_PATH, json.dumps(cfg)]
+        return [
+            self.docker,
+            "run",
+            "-i",
+            "--rm",
+            "--init=false",
+            # so an operator (and the tests) can find the containers a trainer started
+            "--label",
+            f"otb_tir.sandbox_owner={os.getpid()}",
+            "--network",
+            "none",
+            "--ipc",
+            "none",
+            "--read-only",  # --ipc none: no shared /dev/shm
+            "--tmpfs",
+            f"/tmp:rw,nosuid,nodev,size={int(self.tmp_size_mb)}m,mode=0755",
+            "--memory",
+            f"{int(self.memory_mb)}m",
+            "--memory-swap",
+            f"{int(self.memory_mb)}m",
+            "--pids-limit",
+            str(int(self.pids_limit)),
+            "--cpus",
+            str(self.cpus),
+            "--cap-drop",
+            "ALL",
+            *[a for cap in _WORKER_CAPS for a in ("--cap-add", cap)],
+            "--security-opt",
+            "no-new-privileges",
+            "--user",
+            self.user,
+            "-e",
+            "OPENBLAS_NUM_THREADS=1",
+            "-e",
+            "OMP_NUM_THREADS=1",
+            "-e",
+            f"HOME={SCRATCH}",
+            "-w",
+            "/tmp",
+            *[a for host, inside in WORKER_FILES for a in ("-v", f"{host}:{inside}:ro")],
+            *self.extra_args,
+            "--entrypoint",
+            self.container_python,
+            self.image,
+            "-I",
+            SANDBOX_WORKER_PATH,
+            json.dumps(cfg),
+        ]
 
 
 def bwrap_candidates() -> list[tuple[str, str]]:
@@ -313,7 +436,8 @@ NO_ISOLATION_HELP = (
     "bubblewrap`; bubblewrap needs user namespaces (`sysctl kernel.unprivileged_userns_clone=1`, or "
     "run as root) — in a container, allow them (e.g. docker --security-opt seccomp=unconfined) or use "
     "backend='docker'. To run snippets without any isolation (they can read and write the host's "
-    "files), opt in explicitly: multi_turn.tool_config.python.backend=unisolated.")
+    "files), opt in explicitly: multi_turn.tool_config.python.backend=unisolated."
+)
 
 
 def make_backend(backend: str | Backend, **kwargs: Any) -> Backend:
@@ -326,18 +450,26 @@ def make_backend(backend: str | Backend, **kwargs: Any) -> Backend:
         exe, problems = find_bwrap()
         if exe is not None:
             return BwrapBackend(bwrap=exe, **kwargs)
-        raise ToolError("python sandbox: no isolating backend works on this machine ("
-                        + "; ".join(problems) + "). " + NO_ISOLATION_HELP)
+        raise ToolError(
+            "python sandbox: no isolating backend works on this machine ("
+            + "; ".join(problems)
+            + "). "
+            + NO_ISOLATION_HELP
+        )
     if backend == "unisolated":
         if "unisolated" not in _announced:
             _announced.add("unisolated")
             log.warning("python sandbox: backend=unisolated was asked for: %s", UnisolatedBackend.level)
         return UnisolatedBackend()
     if backend == "fallback":
-        raise ToolError("python sandbox backend 'fallback' is now called 'unisolated' (no filesystem or network "
-                        "isolation: snippets can read and write the host's files); set backend=unisolated "
-                        "to opt in to it")
+        raise ToolError(
+            "python sandbox backend 'fallback' is now called 'unisolated' (no filesystem or network "
+            "isolation: snippets can read and write the host's files); set backend=unisolated "
+            "to opt in to it"
+        )
     if backend == "docker":
         return DockerBackend(**kwargs)
-    raise ToolError(f"unknown python sandbox backend {backend!r}: "
-                    "use 'auto', 'bwrap', 'docker' or 'unisolated' (no isolation, explicit opt-in)")
+    raise ToolError(
+        f"unknown python sandbox backend {backend!r}: "
+        "use 'auto', 'bwrap', 'docker' or 'unisolated' (no isolation, explicit opt-in)"
+    )

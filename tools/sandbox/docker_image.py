@@ -31,8 +31,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "otb-tir/sandbox:py311"
 PACKAGES = ("numpy", "numpy.libs", "sympy", "mpmath", "pyseccomp")
-_SKIP_STDLIB = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "site-packages",
-                "config-3.11-x86_64-linux-gnu", "pydoc_data"}
+_SKIP_STDLIB = {
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "site-packages",
+    "config-3.11-x86_64-linux-gnu",
+    "pydoc_data",
+}
 
 
 def image_exists(tag: str = DEFAULT_IMAGE, docker: str = "docker") -> bool:
@@ -48,8 +57,11 @@ def _ldd(path: str) -> list[str]:
     libs = re.findall(r"=>\s*(/\S+)", out) + re.findall(r"^\s*(/\S+)\s+\(", out, re.M)
     site = os.path.realpath(sysconfig.get_paths()["purelib"])
     # system libraries only: a package's own bundled ones (numpy.libs via $ORIGIN) come with it
-    return [os.path.normpath(lib) for lib in libs if os.path.exists(lib)
-            and not os.path.realpath(lib).startswith(site + os.sep)]
+    return [
+        os.path.normpath(lib)
+        for lib in libs
+        if os.path.exists(lib) and not os.path.realpath(lib).startswith(site + os.sep)
+    ]
 
 
 def _is_elf(path: Path) -> bool:
@@ -97,7 +109,7 @@ def rootfs_members() -> dict[str, Path]:
                     add(f)
         elif p.is_file():
             add(p)
-    for src, name in _package_dirs():
+    for src, _name in _package_dirs():
         if src.is_dir():
             for f in src.rglob("*"):
                 if f.is_file() and "/tests/" not in str(f):
@@ -105,7 +117,7 @@ def rootfs_members() -> dict[str, Path]:
         else:
             add(src, str(site / src.name))
     libs = set(_ldd(str(exe)))
-    for dst, src in list(files.items()):
+    for src in list(files.values()):
         if src.suffix == ".so" or ".so." in src.name:
             if _is_elf(src):
                 libs.update(_ldd(str(src)))
@@ -139,6 +151,7 @@ def build_image(tag: str = DEFAULT_IMAGE, docker: str = "docker") -> str:
     # the folders above the interpreter's prefix (e.g. /root/.pyenv/versions): traversable, not listable
     hidden = {str(p) for p in Path(sys.base_prefix).parents if str(p) != "/"}
     with tarfile.open(fileobj=buf, mode="w") as tar:
+
         def add_dir(d: str) -> None:
             if d in dirs or d in ("/", ""):
                 return
@@ -169,8 +182,20 @@ def build_image(tag: str = DEFAULT_IMAGE, docker: str = "docker") -> str:
         tar.addfile(info, io.BytesIO(passwd))
     data = buf.getvalue()
     log.info("docker import %s (%d files, %.0f MB)", tag, len(files), len(data) / 1e6)
-    r = subprocess.run([docker, "import", "--change", "ENV PATH=/usr/local/bin:/usr/bin:/bin",
-                        "--change", "ENV LANG=C.UTF-8", "-", tag], input=data, capture_output=True)
+    r = subprocess.run(
+        [
+            docker,
+            "import",
+            "--change",
+            "ENV PATH=/usr/local/bin:/usr/bin:/bin",
+            "--change",
+            "ENV LANG=C.UTF-8",
+            "-",
+            tag,
+        ],
+        input=data,
+        capture_output=True,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"docker import failed: {r.stderr.decode(errors='replace')[-1000:]}")
     return tag

@@ -40,7 +40,7 @@ def _pid_running(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 @dataclass
@@ -58,8 +58,9 @@ class WorkerProcess:
 
     _ids = itertools.count()
 
-    def __init__(self, backend: Backend, cfg: dict[str, Any], *, recycle_after: int | None = None,
-                 debug: bool = False) -> None:
+    def __init__(
+        self, backend: Backend, cfg: dict[str, Any], *, recycle_after: int | None = None, debug: bool = False
+    ) -> None:
         self.backend = backend
         self.base_cfg = cfg
         self.recycle_after = recycle_after
@@ -85,17 +86,20 @@ class WorkerProcess:
         cmd = self.backend.command(self.cfg)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                *cmd,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
                 stderr=None if self.debug else asyncio.subprocess.DEVNULL,
-                env=_minimal_env(), close_fds=True)
+                env=_minimal_env(),
+                close_fds=True,
+            )
         except OSError as e:
             raise WorkerDied(f"{self.name} could not be launched ({cmd[0]}: {e})") from e
         try:
             ready = await asyncio.wait_for(self._read_frame(), START_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             await self.kill()
-            raise WorkerDied(f"{self.name} did not start ({type(e).__name__}); "
-                             f"command: {' '.join(cmd[:3])} …") from e
+            raise WorkerDied(f"{self.name} did not start ({type(e).__name__}); command: {' '.join(cmd[:3])} …") from e
         if ready.get("op") != "ready":
             await self.kill()
             raise WorkerDied(f"{self.name} sent {ready!r} instead of ready")
@@ -118,20 +122,21 @@ class WorkerProcess:
         await self.wait_idle(timeout + HOST_GRACE_S)
         assert self.proc is not None and self.proc.stdin is not None
         rid = next(self._req_ids)
-        body = json.dumps({"op": "run", "id": rid, "code": code, "timeout": timeout,
-                           "max_output": max_output}).encode("utf-8")
+        body = json.dumps({"op": "run", "id": rid, "code": code, "timeout": timeout, "max_output": max_output}).encode(
+            "utf-8"
+        )
         try:
             self.proc.stdin.write(_HDR.pack(len(body)) + body)
             await self.proc.stdin.drain()
             # asyncio.timeout, not wait_for: no extra Task per call (host CPU is on the hot path)
             async with asyncio.timeout(timeout + HOST_GRACE_S):
                 reply = await self._read_frame()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
-                BrokenPipeError) as e:
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, BrokenPipeError) as e:
             hung = isinstance(e, asyncio.TimeoutError) and self.alive
             await self.kill()
-            raise WorkerDied(f"{self.name} {'hung' if hung else 'died'} during a call ({type(e).__name__})",
-                             hung=hung) from e
+            raise WorkerDied(
+                f"{self.name} {'hung' if hung else 'died'} during a call ({type(e).__name__})", hung=hung
+            ) from e
         except asyncio.CancelledError:
             # the caller gave up mid-call: the worker's state is unknown, so replace it
             await self.kill()
@@ -141,9 +146,14 @@ class WorkerProcess:
             raise WorkerDied(f"{self.name} answered request {reply.get('id')} instead of {rid}")
         self.calls += 1
         self._pending_idle = True
-        return RunReply(reply["status"], reply.get("output", ""), bool(reply.get("cut")),
-                        reply.get("note", ""), float(reply.get("exec_ms", 0.0)),
-                        bool(reply.get("state_reset")))
+        return RunReply(
+            reply["status"],
+            reply.get("output", ""),
+            bool(reply.get("cut")),
+            reply.get("note", ""),
+            float(reply.get("exec_ms", 0.0)),
+            bool(reply.get("state_reset")),
+        )
 
     async def wait_idle(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait for the worker's post-call cleanup (scratch wiped, next spare forked)."""
@@ -243,7 +253,7 @@ def _children(pid: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        rest = stat[stat.rindex(b")") + 2:].split()
+        rest = stat[stat.rindex(b")") + 2 :].split()
         if int(rest[1]) == pid:
             out.append(int(name))
     return out
@@ -251,9 +261,14 @@ def _children(pid: int) -> list[int]:
 
 def _minimal_env() -> dict[str, str]:
     """The environment a worker starts with (bwrap clears it anyway; the fallback needs this)."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     return env
 
 
@@ -264,8 +279,9 @@ class WorkerPool:
     error from :meth:`WorkerProcess.run`, the next caller waits for the replacement.
     """
 
-    def __init__(self, backend: Backend, cfg: dict[str, Any], size: int, *,
-                 recycle_after: int | None = None, debug: bool = False) -> None:
+    def __init__(
+        self, backend: Backend, cfg: dict[str, Any], size: int, *, recycle_after: int | None = None, debug: bool = False
+    ) -> None:
         self.backend = backend
         self.cfg = cfg
         self.size = size
@@ -280,8 +296,7 @@ class WorkerPool:
         self.closed = False  # close() was called: no call may start workers again until start()
 
     def _new_worker(self) -> WorkerProcess:
-        return WorkerProcess(self.backend, self.cfg, recycle_after=self.recycle_after,
-                             debug=self.debug)
+        return WorkerProcess(self.backend, self.cfg, recycle_after=self.recycle_after, debug=self.debug)
 
     async def start(self) -> None:
         self.closed = False
@@ -311,8 +326,13 @@ class WorkerPool:
             for w in workers:
                 idle.put_nowait(w)
             self._idle = idle
-            log.info("python sandbox: %d %s workers ready in %.2fs (%s)", self.size,
-                     self.backend.name, time.perf_counter() - t0, self.backend.level)
+            log.info(
+                "python sandbox: %d %s workers ready in %.2fs (%s)",
+                self.size,
+                self.backend.name,
+                time.perf_counter() - t0,
+                self.backend.level,
+            )
 
     async def acquire(self) -> WorkerProcess:
         """An idle, running worker. One that died while idle (OOM killer, an operator's kill) is

@@ -19,18 +19,22 @@ from tools.sandbox.pool import RunReply, WorkerDied, WorkerPool, WorkerProcess
 log = logging.getLogger(__name__)
 
 # snippets whose output is not a function of the code alone are never served from the cache
-_NONDETERMINISTIC = re.compile(r"random|time|uuid|urandom|secrets|getpid|input\s*\(|environ|"
-                               r"listdir|scandir|glob|open\s*\(")
+_NONDETERMINISTIC = re.compile(
+    r"random|time|uuid|urandom|secrets|getpid|input\s*\(|environ|"
+    r"listdir|scandir|glob|open\s*\("
+)
 
 # performance switches of the sandbox worker (benchmarks/bench_sandbox.py compares them): raw_fork
 # and thp in tools/sandbox/worker_child.py; the opt-in prefault and profile are the separate
 # modules worker_prefault.py and worker_profile.py, which the worker loads only when asked
-WORKER_OPTIONS = {"raw_fork": "fork with libc's fork(), skipping CPython's at-fork hooks",
-                  "thp": "back the worker's heap with transparent huge pages (cheaper fork/exit)",
-                  "prefault": "off by default: idle spares pre-copy the pages sympy/numpy "
-                              "snippets write when recent snippets used them (learned at worker "
-                              "start; trades CPU for latency)",
-                  "profile": "per-call timings and page-fault counts in the worker's replies"}
+WORKER_OPTIONS = {
+    "raw_fork": "fork with libc's fork(), skipping CPython's at-fork hooks",
+    "thp": "back the worker's heap with transparent huge pages (cheaper fork/exit)",
+    "prefault": "off by default: idle spares pre-copy the pages sympy/numpy "
+    "snippets write when recent snippets used them (learned at worker "
+    "start; trades CPU for latency)",
+    "profile": "per-call timings and page-fault counts in the worker's replies",
+}
 
 _STATUS_TO_ERROR = {
     "ok": None,
@@ -80,35 +84,59 @@ class PythonTool(Tool):
     """
 
     name = "python"
-    description = ("Execute Python 3 code in a sandbox and return its printed output (stdout and "
-                   "stderr). The value of a final bare expression is printed too. math, numpy "
-                   "and sympy are available. No network, no persistent files.")
+    description = (
+        "Execute Python 3 code in a sandbox and return its printed output (stdout and "
+        "stderr). The value of a final bare expression is printed too. math, numpy "
+        "and sympy are available. No network, no persistent files."
+    )
     parameters = {
         "type": "object",
         "properties": {"code": {"type": "string", "description": "The Python code to run."}},
         "required": ["code"],
     }
 
-    def __init__(self, *, timeout: float = 5.0, workers: int = 4, backend: str | Backend = "auto",
-                 stateful: bool = False, memory_mb: int = 1024, max_output_chars: int = 8192,
-                 cache: bool = True, cache_size: int = 1024, fsize_mb: int = 16, nofile: int = 64,
-                 nproc: int = 32, tmp_size_mb: int = 64, max_code_chars: int = 100_000,
-                 max_sessions: int = 64, preload: tuple[str, ...] | list[str] = (
-                     "math", "numpy", "sympy"),
-                 seccomp: bool = True, recycle_after: int | None = None,
-                 image: str | None = None, debug: bool = False,
-                 worker_options: dict[str, bool] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float = 5.0,
+        workers: int = 4,
+        backend: str | Backend = "auto",
+        stateful: bool = False,
+        memory_mb: int = 1024,
+        max_output_chars: int = 8192,
+        cache: bool = True,
+        cache_size: int = 1024,
+        fsize_mb: int = 16,
+        nofile: int = 64,
+        nproc: int = 32,
+        tmp_size_mb: int = 64,
+        max_code_chars: int = 100_000,
+        max_sessions: int = 64,
+        preload: tuple[str, ...] | list[str] = ("math", "numpy", "sympy"),
+        seccomp: bool = True,
+        recycle_after: int | None = None,
+        image: str | None = None,
+        debug: bool = False,
+        worker_options: dict[str, bool] | None = None,
+    ) -> None:
         def positive(name: str, v: Any, kind: type = int) -> None:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
             if not ok or (kind is int and not float(v).is_integer()) or not math.isfinite(v):
                 raise ToolError(f"PythonTool: {name} must be a positive {kind.__name__}, got {v!r}")
 
         positive("timeout", timeout, float)
-        for n, v in (("workers", workers), ("memory_mb", memory_mb),
-                     ("max_output_chars", max_output_chars), ("cache_size", cache_size),
-                     ("fsize_mb", fsize_mb), ("nofile", nofile), ("nproc", nproc),
-                     ("tmp_size_mb", tmp_size_mb), ("max_code_chars", max_code_chars),
-                     ("max_sessions", max_sessions)):
+        for n, v in (
+            ("workers", workers),
+            ("memory_mb", memory_mb),
+            ("max_output_chars", max_output_chars),
+            ("cache_size", cache_size),
+            ("fsize_mb", fsize_mb),
+            ("nofile", nofile),
+            ("nproc", nproc),
+            ("tmp_size_mb", tmp_size_mb),
+            ("max_code_chars", max_code_chars),
+            ("max_sessions", max_sessions),
+        ):
             positive(n, v)
         if recycle_after is not None:
             positive("recycle_after", recycle_after)
@@ -131,21 +159,26 @@ class PythonTool(Tool):
             recycle_after = 500
         self.recycle_after = recycle_after
         self.worker_cfg: dict[str, Any] = {
-            "memory_mb": int(memory_mb), "fsize_mb": int(fsize_mb), "nofile": int(nofile),
-            "nproc": int(nproc), "preload": list(preload), "seccomp": bool(seccomp),
+            "memory_mb": int(memory_mb),
+            "fsize_mb": int(fsize_mb),
+            "nofile": int(nofile),
+            "nproc": int(nproc),
+            "preload": list(preload),
+            "seccomp": bool(seccomp),
         }
         for k, v in (worker_options or {}).items():
             if k not in WORKER_OPTIONS or not isinstance(v, bool):
-                raise ToolError(f"PythonTool: worker_options takes booleans for "
-                                f"{sorted(WORKER_OPTIONS)}, got {k}={v!r}")
+                raise ToolError(
+                    f"PythonTool: worker_options takes booleans for {sorted(WORKER_OPTIONS)}, got {k}={v!r}"
+                )
             self.worker_cfg[k] = v
         self.debug = debug
-        self.pool = WorkerPool(self.backend, dict(self.worker_cfg, stateful=False), int(workers),
-                               recycle_after=recycle_after, debug=debug)
+        self.pool = WorkerPool(
+            self.backend, dict(self.worker_cfg, stateful=False), int(workers), recycle_after=recycle_after, debug=debug
+        )
         self._sessions: dict[str, WorkerProcess] = {}
         self._session_locks: dict[str, asyncio.Lock] = {}
-        self._cache: collections.OrderedDict[tuple[str, float, int], ToolResult] = \
-            collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, float, int], ToolResult] = collections.OrderedDict()
         self.stats = SandboxStats()
         self.errors_by_kind: collections.Counter[str] = collections.Counter()
         self._finalizer = weakref.finalize(self, _kill_everything, self.pool, self._sessions)
@@ -184,8 +217,12 @@ class PythonTool(Tool):
         self._cache.clear()
 
     def cache_stats(self) -> dict[str, float]:
-        return {"hits": self.stats.cache_hits, "lookups": self.stats.cache_lookups,
-                "hit_rate": self.stats.cache_hit_rate, "size": len(self._cache)}
+        return {
+            "hits": self.stats.cache_hits,
+            "lookups": self.stats.cache_lookups,
+            "hit_rate": self.stats.cache_hit_rate,
+            "size": len(self._cache),
+        }
 
     # ------------------------------------------------------------------ calls
     def _bad_args(self, args: Any) -> str | None:
@@ -199,8 +236,7 @@ class PythonTool(Tool):
         if not isinstance(args["code"], str):
             return f"argument 'code' must be a string, got {type(args['code']).__name__}"
         if len(args["code"]) > self.max_code_chars:
-            return (f"argument 'code' is {len(args['code'])} characters long; "
-                    f"the limit is {self.max_code_chars}")
+            return f"argument 'code' is {len(args['code'])} characters long; the limit is {self.max_code_chars}"
         return None
 
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
@@ -208,9 +244,14 @@ class PythonTool(Tool):
         self.stats.calls += 1
         problem = self._bad_args(args)
         if problem is not None:
-            return self._count(ToolResult(text=f"Error: {problem}", ok=False,
-                                          error=ErrorKind.BAD_ARGUMENTS,
-                                          metrics={"latency_ms": 0.0, "cache_hit": 0.0}))
+            return self._count(
+                ToolResult(
+                    text=f"Error: {problem}",
+                    ok=False,
+                    error=ErrorKind.BAD_ARGUMENTS,
+                    metrics={"latency_ms": 0.0, "cache_hit": 0.0},
+                )
+            )
         code: str = args["code"]
         if self.stateful and session_id is not None:
             result = await self._call_session(session_id, code)
@@ -223,8 +264,7 @@ class PythonTool(Tool):
                 if hit is not None:
                     self._cache.move_to_end(key)
                     self.stats.cache_hits += 1
-                    metrics = dict(hit.metrics, cache_hit=1.0,
-                                   latency_ms=(time.perf_counter() - t0) * 1000.0)
+                    metrics = dict(hit.metrics, cache_hit=1.0, latency_ms=(time.perf_counter() - t0) * 1000.0)
                     return self._count(ToolResult(hit.text, hit.ok, hit.error, metrics))
             result = await self._call_pool(code)
             if cacheable and result.error not in (ErrorKind.TIMEOUT, ErrorKind.SANDBOX):
@@ -286,10 +326,13 @@ class PythonTool(Tool):
                     restarted = True
                     await w.close(grace=0.5)
                 elif not restarted and len(self._sessions) >= self.max_sessions:
-                    return _sandbox_error(f"too many open python sessions ({self.max_sessions}); "
-                                          "release finished ones")
-                w = WorkerProcess(self.backend, dict(self.worker_cfg, stateful=True),
-                                  recycle_after=self.recycle_after, debug=self.debug)
+                    return _sandbox_error(f"too many open python sessions ({self.max_sessions}); release finished ones")
+                w = WorkerProcess(
+                    self.backend,
+                    dict(self.worker_cfg, stateful=True),
+                    recycle_after=self.recycle_after,
+                    debug=self.debug,
+                )
                 self._sessions[session_id] = w
                 try:
                     await w.start()
@@ -311,10 +354,14 @@ class PythonTool(Tool):
     def _session_lost(self, why: str) -> ToolResult:
         self.stats.sessions_lost += 1
         log.warning("python sandbox: session lost (%s)", why)
-        return ToolResult(text="Error: the Python session was lost: its sandbox process was stopped from outside "
-                               "(not by your code). Variables from earlier calls are gone; the next call starts a "
-                               "fresh session.", ok=False, error=ErrorKind.SESSION_LOST,
-                          metrics={"cache_hit": 0.0})
+        return ToolResult(
+            text="Error: the Python session was lost: its sandbox process was stopped from outside "
+            "(not by your code). Variables from earlier calls are gone; the next call starts a "
+            "fresh session.",
+            ok=False,
+            error=ErrorKind.SESSION_LOST,
+            metrics={"cache_hit": 0.0},
+        )
 
     def _to_result(self, reply: RunReply) -> ToolResult:
         text = reply.output
@@ -324,22 +371,18 @@ class PythonTool(Tool):
             text = text[: self.max_output_chars]
             if not text.endswith("\n"):
                 text += "\n"
-            text += (f"[output truncated: the snippet printed more than "
-                     f"{self.max_output_chars} characters]")
+            text += f"[output truncated: the snippet printed more than {self.max_output_chars} characters]"
             if reply.status in ("ok", "output_cut"):
                 ok, error = True, ErrorKind.OUTPUT_CUT
         if reply.status == "timeout":
-            text += _sep(text) + (f"TimeoutError: the snippet ran longer than {self.timeout:g} s "
-                                  "and was killed")
+            text += _sep(text) + (f"TimeoutError: the snippet ran longer than {self.timeout:g} s and was killed")
         if reply.note and reply.status != "timeout":
             text += _sep(text) + f"[{reply.note}]"
         elif reply.note:
             text += f" ({reply.note})"
         if reply.state_reset and self.stateful:
-            text += _sep(text) + ("[the Python session was restarted: variables from earlier "
-                                  "calls are gone]")
-        return ToolResult(text=text, ok=ok, error=error,
-                          metrics={"exec_ms": reply.exec_ms})
+            text += _sep(text) + ("[the Python session was restarted: variables from earlier calls are gone]")
+        return ToolResult(text=text, ok=ok, error=error, metrics={"exec_ms": reply.exec_ms})
 
 
 def _sep(text: str) -> str:
@@ -347,9 +390,12 @@ def _sep(text: str) -> str:
 
 
 def _sandbox_error(why: str) -> ToolResult:
-    return ToolResult(text=f"SandboxError: the code could not be run to completion ({why}). "
-                           "Retrying may work.", ok=False, error=ErrorKind.SANDBOX,
-                      metrics={"cache_hit": 0.0})
+    return ToolResult(
+        text=f"SandboxError: the code could not be run to completion ({why}). Retrying may work.",
+        ok=False,
+        error=ErrorKind.SANDBOX,
+        metrics={"cache_hit": 0.0},
+    )
 
 
 def _kill_everything(pool: WorkerPool, sessions: dict[str, WorkerProcess]) -> None:

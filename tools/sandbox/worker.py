@@ -107,8 +107,11 @@ class Worker(_child.Spawner):
         # one lstat instead of mkdir + chown + chmod when the snippet left the directory as it was
         try:
             st = os.lstat(self.scratch)
-            if (stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
-                    and (self.uid is None or st.st_uid == st.st_gid == self.uid)):
+            if (
+                stat.S_ISDIR(st.st_mode)
+                and stat.S_IMODE(st.st_mode) == 0o700
+                and (self.uid is None or st.st_uid == st.st_gid == self.uid)
+            ):
                 return
         except OSError:
             pass
@@ -209,10 +212,10 @@ class Worker(_child.Spawner):
                         del st_buf[:1]
                         child.armed = True
                     if len(st_buf) >= _HDR.size:
-                        (n,) = _HDR.unpack(st_buf[:_HDR.size])
+                        (n,) = _HDR.unpack(st_buf[: _HDR.size])
                         if len(st_buf) >= _HDR.size + n:
                             try:
-                                st = json.loads(bytes(st_buf[_HDR.size:_HDR.size + n]))
+                                st = json.loads(bytes(st_buf[_HDR.size : _HDR.size + n]))
                                 status = self._status_frame(st)
                             except Exception:  # noqa: BLE001 - the snippet wrote garbage on fd 4
                                 status = "runtime"
@@ -278,8 +281,15 @@ class Worker(_child.Spawner):
         if len(text) > max_output:
             text = text[:max_output]
             cut = True
-        return {"id": req.get("id"), "status": status, "output": text, "cut": cut,
-                "note": exit_note, "exec_ms": elapsed, "state_reset": state_reset}
+        return {
+            "id": req.get("id"),
+            "status": status,
+            "output": text,
+            "cut": cut,
+            "note": exit_note,
+            "exec_ms": elapsed,
+            "state_reset": state_reset,
+        }
 
     def after(self) -> None:
         """Off the critical path: wipe scratch, reap, pre-fork the next spare."""
@@ -360,11 +370,20 @@ class Worker(_child.Spawner):
         extra = self._prepare()
         if not self.stateful:
             self._ensure_spare()
-        write_frame(self.proto_out, {"op": "ready", "pid": os.getpid(), "uid": self.uid,
-                                     "seccomp": self.filter is not None,
-                                     "seccomp_error": self.filter_error, "preloaded": preloaded,
-                                     "thp_mb": self.thp_bytes >> 20, "raw_fork": self.raw_fork,
-                                     **extra})
+        write_frame(
+            self.proto_out,
+            {
+                "op": "ready",
+                "pid": os.getpid(),
+                "uid": self.uid,
+                "seccomp": self.filter is not None,
+                "seccomp_error": self.filter_error,
+                "preloaded": preloaded,
+                "thp_mb": self.thp_bytes >> 20,
+                "raw_fork": self.raw_fork,
+                **extra,
+            },
+        )
         while True:
             req = read_frame(self.proto_in)
             if req is None:
@@ -373,9 +392,15 @@ class Worker(_child.Spawner):
                 try:
                     resp = self.handle(req)
                 except Exception as e:  # noqa: BLE001 - never leave the host waiting
-                    resp = {"id": req.get("id"), "status": "sandbox", "output": "",
-                            "cut": False, "note": f"worker error: {type(e).__name__}: {e}",
-                            "exec_ms": 0.0, "state_reset": True}
+                    resp = {
+                        "id": req.get("id"),
+                        "status": "sandbox",
+                        "output": "",
+                        "cut": False,
+                        "note": f"worker error: {type(e).__name__}: {e}",
+                        "exec_ms": 0.0,
+                        "state_reset": True,
+                    }
                 if self.host_gone:
                     break
                 write_frame(self.proto_out, resp)
@@ -436,8 +461,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
         os.environ.setdefault(k, "1")
-    cfg["_preloaded"] = _snippet.preload(cfg.get("preload", ["math", "numpy", "sympy"]),
-                                         warmup=cfg.get("warmup", True))
+    cfg["_preloaded"] = _snippet.preload(cfg.get("preload", ["math", "numpy", "sympy"]), warmup=cfg.get("warmup", True))
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     cls = Worker
     # opt-in experiments (off by default; benchmarks/bench_sandbox.py compares them)

@@ -33,8 +33,12 @@ from worker_snippet import run_snippet
 
 _HDR = struct.Struct(">I")
 ARM_TIMEOUT_S = 10.0
-_SIGINT, _SIGTERM, _SIGCHLD, _SIGXFSZ = (int(signal.SIGINT), int(signal.SIGTERM),
-                                         int(signal.SIGCHLD), int(signal.SIGXFSZ))
+_SIGINT, _SIGTERM, _SIGCHLD, _SIGXFSZ = (
+    int(signal.SIGINT),
+    int(signal.SIGTERM),
+    int(signal.SIGCHLD),
+    int(signal.SIGXFSZ),
+)
 _LIBC_FORK = ctypes.PyDLL(None, use_errno=True).fork  # keeps the GIL: see Spawner._fork
 _LIBC_FORK.restype = ctypes.c_int
 _LIBC_FORK.argtypes = []
@@ -111,8 +115,7 @@ class Spawner:
         self.stateful: bool = bool(cfg.get("stateful", False))
         self.libc = ctypes.CDLL(None, use_errno=True)
         self._prctl = self.libc.prctl
-        self._prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                                ctypes.c_ulong]
+        self._prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
         self._prctl.restype = ctypes.c_int
         mb = 1024 * 1024
         self.rlimits: list[tuple[int, int]] = [(resource.RLIMIT_CORE, 0)]
@@ -124,11 +127,14 @@ class Spawner:
         self.nproc = int(cfg["nproc"]) if cfg.get("nproc") else 0
         self.raw_fork = bool(cfg.get("raw_fork", True)) and _single_threaded()
         self.child_stdio = (
-            io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                             errors="backslashreplace", line_buffering=True),
-            io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                             errors="backslashreplace", line_buffering=True),
-            io.TextIOWrapper(io.FileIO(0, "r", closefd=False)))
+            io.TextIOWrapper(
+                io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+            ),
+            io.TextIOWrapper(
+                io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+            ),
+            io.TextIOWrapper(io.FileIO(0, "r", closefd=False)),
+        )
         self.filter: CompiledFilter | None = None
         self.filter_error = ""
         if cfg.get("seccomp", True):

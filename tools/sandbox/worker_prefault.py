@@ -79,7 +79,6 @@ def _populate_write_works(libc: ctypes.CDLL) -> bool:
         m.close()
 
 
-
 class PrefaultMixin:
     """Learns, at worker start, the pages each preloaded library's snippets write (``_calibrate``);
     tracks how often recent snippets used each library; an armed spare forked while most recent
@@ -118,8 +117,9 @@ class PrefaultMixin:
     def _ensure_spare(self):
         # the next spare pre-copies the pages sympy (numpy) code writes when most recent snippets
         # used sympy (numpy)
-        self.prefault_now = [r for fam, rate in self.family_rate.items()
-                             if rate >= PREFAULT_THRESHOLD for r in self.hot_ranges[fam]]
+        self.prefault_now = [
+            r for fam, rate in self.family_rate.items() if rate >= PREFAULT_THRESHOLD for r in self.hot_ranges[fam]
+        ]
         return super()._ensure_spare()
 
     def _child_idle(self) -> None:
@@ -178,7 +178,7 @@ class PrefaultMixin:
                 data = pages.tobytes()
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(w, view):]
+                    view = view[os.write(w, view) :]
             finally:
                 os._exit(0)
         os.close(w)
@@ -200,5 +200,5 @@ class PrefaultMixin:
         os.waitpid(pid, 0)
         out = array.array("Q")
         data = b"".join(chunks)
-        out.frombytes(data[:len(data) - len(data) % 8])
+        out.frombytes(data[: len(data) - len(data) % 8])
         return list(out)

@@ -77,11 +77,16 @@ class ProfileMixin:
         pr = self.prof
         reaped, wiped, forked = (pr.get(k, a1) for k in ("a_reaped", "a_wiped", "a_forked"))
         self._idle_prof = {
-            "after_ms": (a1 - a0) / 1e6, "reap_ms": (reaped - a0) / 1e6,
-            "wipe_ms": (wiped - reaped) / 1e6, "fork_ms": (forked - wiped) / 1e6,
-            "arm_ms": (a1 - forked) / 1e6, "worker_flt": me.ru_minflt - pr.get("worker_flt0", 0),
+            "after_ms": (a1 - a0) / 1e6,
+            "reap_ms": (reaped - a0) / 1e6,
+            "wipe_ms": (wiped - reaped) / 1e6,
+            "fork_ms": (forked - wiped) / 1e6,
+            "arm_ms": (a1 - forked) / 1e6,
+            "worker_flt": me.ru_minflt - pr.get("worker_flt0", 0),
             "self_cpu_s": me.ru_utime + me.ru_stime,
-            "children_cpu_s": ru.ru_utime + ru.ru_stime, "children_flt": ru.ru_minflt}
+            "children_cpu_s": ru.ru_utime + ru.ru_stime,
+            "children_flt": ru.ru_minflt,
+        }
 
     def _idle_frame(self) -> dict:
         frame = super()._idle_frame()
@@ -105,7 +110,11 @@ class ProfileMixin:
     def _child_status(self, status: str) -> dict:
         frame = super()._child_status(status)
         t, f = _ns(), _minflt()
-        frame["prof"] = {"child_armed_flt": self._p_armed[1], "child_got_ns": self._p_got[0],
-                         "child_done_ns": t, "child_run_flt": f - self._p_got[1],
-                         "stamps": self._stamps}
+        frame["prof"] = {
+            "child_armed_flt": self._p_armed[1],
+            "child_got_ns": self._p_got[0],
+            "child_done_ns": t,
+            "child_run_flt": f - self._p_got[1],
+            "stamps": self._stamps,
+        }
         return frame

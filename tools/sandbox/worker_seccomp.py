@@ -12,25 +12,85 @@ import os
 
 _DENY_SYSCALLS = (
     # networking: no sockets at all (the protocol uses pipes)
-    "socket", "socketpair", "connect", "bind", "listen", "accept", "accept4",
+    "socket",
+    "socketpair",
+    "connect",
+    "bind",
+    "listen",
+    "accept",
+    "accept4",
     # debugging / reading other processes
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_getfd",
     # mounts, namespaces, root changes
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "fsopen", "fsmount",
-    "fsconfig", "move_mount", "open_tree", "mount_setattr",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "move_mount",
+    "open_tree",
+    "mount_setattr",
     # session / process-group escapes (the per-call kill targets the process group)
-    "setsid", "setpgid",
+    "setsid",
+    "setpgid",
     # kernel surface
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "bpf",
-    "perf_event_open", "keyctl", "add_key", "request_key", "userfaultfd", "io_uring_setup",
-    "io_uring_enter", "io_uring_register", "acct", "swapon", "swapoff", "reboot", "syslog",
-    "quotactl", "lookup_dcookie", "open_by_handle_at", "name_to_handle_at", "personality",
-    "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups",
-    "setfsuid", "setfsgid", "capset", "ioperm", "iopl", "vhangup",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "bpf",
+    "perf_event_open",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "acct",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "syslog",
+    "quotactl",
+    "lookup_dcookie",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "personality",
+    "setuid",
+    "setgid",
+    "setreuid",
+    "setregid",
+    "setresuid",
+    "setresgid",
+    "setgroups",
+    "setfsuid",
+    "setfsgid",
+    "capset",
+    "ioperm",
+    "iopl",
+    "vhangup",
 )
 # namespace flags that clone() must not carry
-_CLONE_NS_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
-                   0x40000000, 0x00000080)  # NEWNS NEWCGROUP NEWUTS NEWIPC NEWUSER NEWPID NEWNET NEWTIME
+_CLONE_NS_FLAGS = (
+    0x00020000,
+    0x02000000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+    0x00000080,
+)  # NEWNS NEWCGROUP NEWUTS NEWIPC NEWUSER NEWPID NEWNET NEWTIME
 
 
 def build_seccomp_filter():
@@ -96,4 +156,3 @@ class CompiledFilter:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
         if prctl(self.PR_SET_SECCOMP, self.SECCOMP_MODE_FILTER, self.prog_addr, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
-

@@ -21,8 +21,7 @@ def _trimmed_traceback(exc: BaseException) -> str:
 
     def trim(t):
         while t is not None:
-            t.stack = traceback.StackSummary.from_list(
-                [fr for fr in t.stack if fr.filename == SNIPPET])
+            t.stack = traceback.StackSummary.from_list([fr for fr in t.stack if fr.filename == SNIPPET])
             if t.__cause__ is not None:
                 trim(t.__cause__)
             t = t.__context__ if not t.__suppress_context__ else None
@@ -74,7 +73,6 @@ def run_snippet(code: str, g: dict) -> str:
                 pass
 
 
-
 _WARMUP = {
     # first calls of common functions import their submodules lazily; doing it once here saves
     # every forked child from doing it again
@@ -95,7 +93,7 @@ np.polyfit([0, 1, 2], [0, 1, 4], 2)
 np.mean(a); np.std(a); np.sort(a, axis=0); np.unique(a); str(a); repr(a); np.array2string(a)
 """,
     "math": "import math, fractions, decimal, itertools, functools, collections, statistics, cmath, re, "
-            "json, heapq, bisect, string, random, operator, datetime\n",
+    "json, heapq, bisect, string, random, operator, datetime\n",
 }
 
 
