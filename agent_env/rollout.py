@@ -26,6 +26,7 @@ row of padding with ``attention_mask`` 0 there and no reward position; its rewar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -217,17 +218,7 @@ async def rollout_async(
 
     async def one(idx: int, item: dict[str, Any], uid: str, j: int) -> tuple[int, Trajectory]:
         ep_seed = None if seed is None else seed + idx
-        if sem is None:
-            return idx, await env.run(
-                engine,
-                item["prompt"],
-                uid=uid,
-                ground_truth=item["ground_truth"],
-                seed=ep_seed,
-                sample_index=j,
-                activity=activity,
-            )
-        async with sem:
+        async with sem if sem is not None else contextlib.nullcontext():
             return idx, await env.run(
                 engine,
                 item["prompt"],

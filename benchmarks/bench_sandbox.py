@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from tools.sandbox import PythonTool
+from tools.sandbox.pool import descendants
 
 TRIVIAL = "print(sum(range(1000)))"
 HEAVY = (
@@ -62,24 +63,6 @@ def _proc_cpu_s(pid: int) -> float:
     return sum(int(x) for x in rest[11:15]) / _TCK
 
 
-def _tree(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            kids.setdefault(int(stat[stat.rindex(b")") + 2 :].split()[1]), []).append(int(name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
-
-
 def sandbox_cpu_s(tool: PythonTool) -> float:
     """CPU seconds used so far by the tool's sandbox processes. Snippet children count once
     reaped (by the worker, which reaps each before its next call). Only live processes are
@@ -87,7 +70,7 @@ def sandbox_cpu_s(tool: PythonTool) -> float:
     total = 0.0
     for w in tool.pool.workers:
         if w.proc is not None:
-            total += sum(_proc_cpu_s(p) for p in _tree(w.proc.pid))
+            total += sum(_proc_cpu_s(p) for p in descendants(w.proc.pid))
     return total
 
 

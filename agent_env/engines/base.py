@@ -64,3 +64,22 @@ def missing_extra(package: str, extra: str) -> EngineError:
     return EngineError(
         f"this engine needs the optional package '{package}', which is not installed: pip install 'otb-tir[{extra}]'"
     )
+
+
+def named_tensor_list(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """``update_weights``' argument (a mapping or ``(name, tensor)`` pairs) as a checked list of
+    detached ``(name, tensor)`` pairs; anything else, or nothing at all, is an :class:`EngineError`."""
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    for item in items:
+        if not (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            raise EngineError(f"update_weights expects (name: str, tensor: torch.Tensor) pairs, got {item!r:.120}")
+    if not items:
+        raise EngineError("update_weights got no tensors")
+    return [(name, t.detach()) for name, t in items]

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams, missing_extra
+from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams, missing_extra, named_tensor_list
 
 logger = logging.getLogger(__name__)
 
@@ -106,21 +106,6 @@ def parse_sglang_output(output: Mapping[str, Any]) -> GenerationOutput:
     return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH_MAP[kind])
 
 
-def _as_named_list(
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> list[tuple[str, torch.Tensor]]:
-    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-    for item in items:
-        if not (
-            isinstance(item, tuple)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and isinstance(item[1], torch.Tensor)
-        ):
-            raise EngineError(f"update_weights expects (name: str, tensor: torch.Tensor) pairs, got {item!r:.120}")
-    return [(name, t.detach()) for name, t in items]
-
-
 class SGLangEngine:
     """sglang's offline engine behind the async :class:`~agent_env.engines.base.Engine` protocol.
 
@@ -177,7 +162,7 @@ class SGLangEngine:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
-        items = _as_named_list(named_tensors)
+        items = named_tensor_list(named_tensors)
         payload = [MultiprocessingSerializer.serialize(items) for _ in range(self._tp_size)]
         obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True)
         manager = self._engine.tokenizer_manager

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams, missing_extra
+from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams, missing_extra, named_tensor_list
 
 logger = logging.getLogger(__name__)
 
@@ -124,25 +124,6 @@ def parse_vllm_completion(completion: Any) -> GenerationOutput:
     if reason not in _FINISH_MAP:
         logger.warning("vLLM finish reason %r mapped to 'abort'", reason)
     return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH_MAP.get(reason, "abort"))
-
-
-def _named_list(
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> list[tuple[str, torch.Tensor]]:
-    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-    out = []
-    for item in items:
-        if not (
-            isinstance(item, tuple)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and isinstance(item[1], torch.Tensor)
-        ):
-            raise EngineError(f"update_weights expects (name: str, tensor: torch.Tensor) pairs, got {item!r:.120}")
-        out.append((item[0], item[1].detach()))
-    if not out:
-        raise EngineError("update_weights got no tensors")
-    return out
 
 
 def _checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
@@ -474,7 +455,7 @@ class VLLMEngine:
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> None:
         """Load new weights (names as in the HF checkpoint) and reset the prefix cache."""
-        items = _named_list(named_tensors)
+        items = named_tensor_list(named_tensors)
         check_update_names(items, self._shapes, self._tied)
         worker_fn = _worker_reload if self.weight_update_mode == "reload" else _worker_load_weights
 

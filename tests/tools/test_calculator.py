@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import tools.calculator
 from tools import ErrorKind, ToolError, get_tool
 from tools.calculator import CalculatorTool, calculate, snippet
+from tools.sandbox.pool import descendants
 
 # one event loop for the module: the sandbox workers a tool started stay usable between calls
 RUNNER = asyncio.Runner()
@@ -66,25 +67,14 @@ def ask(tool, expression: str):
 
 def sandbox_processes() -> set[int]:
     """Pids of this process's descendants that run the sandbox worker (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(b")") + 2 :].split()[1]), []).append(int(name))
-    found, todo = set(), [os.getpid()]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            todo.append(pid)
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"worker.py" in f.read():
-                        found.add(pid)
-            except OSError:
-                pass
+    found = set()
+    for pid in descendants(os.getpid())[1:]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"worker.py" in f.read():
+                    found.add(pid)
+        except OSError:
+            pass
     return found
 
 

@@ -238,13 +238,13 @@ class WorkerProcess:
                 shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc)."""
-    out = []
+def _parents() -> dict[int, list[int]]:
+    """pid → its direct children, for every process this one can see (one pass over /proc)."""
+    kids: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
     except OSError:
-        return out
+        return kids
     for name in names:
         if not name.isdigit():
             continue
@@ -253,9 +253,22 @@ def _children(pid: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        rest = stat[stat.rindex(b")") + 2 :].split()
-        if int(rest[1]) == pid:
-            out.append(int(name))
+        kids.setdefault(int(stat[stat.rindex(b")") + 2 :].split()[1]), []).append(int(name))
+    return kids
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    return _parents().get(pid, [])
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc), parents before children."""
+    kids, out, todo = _parents(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
     return out
 
 
