@@ -73,6 +73,7 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_concurrent_processes_build_once(tmp_path):
     procs = [_builder(tmp_path) for _ in range(3)]
     _wait_for(lambda: len(list(tmp_path.glob("started-*"))) == 3 and (tmp_path / "builds.log").exists())
@@ -129,6 +130,7 @@ def test_failed_build_publishes_nothing(tmp_path):
     assert publish(final, MARKER, lambda tmp: pytest.fail("rebuilt a published folder")) == final
 
 
+@pytest.mark.slow
 def test_killed_build_publishes_nothing_and_is_cleaned_up(tmp_path):
     p = _builder(tmp_path, "crash")
     p.communicate(timeout=300)

@@ -94,6 +94,7 @@ def test_ten_thousand_open_boxes_extract_in_linear_time():
     assert extract_answer("\\boxed{" * 3000 + "\\boxed{7}") == ("7", "boxed")
 
 
+@pytest.mark.slow
 def test_a_hung_comparison_is_abandoned_and_the_next_one_works():
     """The helper process is frozen (SIGSTOP, as a C-level hang in sympy would hold it): the
     caller gets 'timeout' after timeout + grace, and the next comparison runs on a fresh helper."""
@@ -142,6 +143,7 @@ def test_ordinary_answers_score_the_same_in_a_thread_pool():
     assert results == [1.0] * (2 * len(EQUIVALENT))
 
 
+@pytest.mark.slow
 def test_reward_benchmark_runs_and_both_scorers_agree():
     import subprocess
     import sys

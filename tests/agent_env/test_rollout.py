@@ -52,6 +52,7 @@ def scripted_by_prompt(tok):
     return script
 
 
+@pytest.mark.slow
 def test_collated_batch_layout(tiny_tokenizer, real_tools):
     env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig(response_length=160))
     eng = ScriptedEngine(tiny_tokenizer, scripted_by_prompt(tiny_tokenizer))

@@ -275,6 +275,7 @@ def test_saved_folder_reloads_with_auto_classes(tiny_model_dir, tiny_tokenizer, 
     assert tiny_policy_dir() == tiny_model_dir
 
 
+@pytest.mark.slow
 def test_cache_dir_env_and_concurrent_builders(tmp_path, monkeypatch):
     """Two processes building the same folder at once both end with one valid folder."""
     script = textwrap.dedent(

@@ -60,6 +60,7 @@ def test_shipped_configs_are_valid():
         assert cfg.algorithm.adv_estimator in CHOICES["algorithm.adv_estimator"]
 
 
+@pytest.mark.slow
 def test_configuration_reference_is_current_and_lists_every_key():
     """docs/configuration.md is generated from the schemas; the page a user reads is never stale."""
     import subprocess

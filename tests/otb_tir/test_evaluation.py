@@ -68,6 +68,7 @@ def _record(res, name="python", args=None) -> ToolCallRecord:
     )
 
 
+@pytest.mark.slow
 def test_error_kinds_on_real_sandbox_results():
     from tools.calculator import CalculatorTool
     from tools.sandbox import PythonTool
@@ -338,6 +339,7 @@ class ScriptedPolicy:
         pass
 
 
+@pytest.mark.slow
 def test_evaluate_on_real_episodes_and_tools(tmp_path, tiny_model_dir, tiny_tokenizer, monkeypatch):
     from agent_env.math_task.data import make_split
     from otb_tir.evaluation import evaluate, summary_text

@@ -175,6 +175,7 @@ def test_perturb_number_changes_one_digit():
             )
 
 
+@pytest.mark.slow
 def test_make_traces_use_real_tool_results():
     traces = make_traces(16, seed=0, mixture=TraceMixture(tool=1, python=1, guess=1, wrong_tool=1, tool_share={}))
     kinds = set()

@@ -114,6 +114,7 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     assert Path(v.reward.custom_reward_function.path).is_file()
 
 
+@pytest.mark.slow
 def test_the_cpu_profile_is_what_a_machine_without_an_accelerator_gets(tiny_model_dir, tmp_path):
     from otb_tir.verl.cpu import ENV_FLAG, cpu_overrides
     from otb_tir.verl.launch import compose_verl_config, prepare_verl
@@ -144,6 +145,7 @@ def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
         validate_verl_config(v)
 
 
+@pytest.mark.slow
 def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
     from otb_tir.verl.launch import compose_verl_config
 
@@ -211,6 +213,7 @@ def test_verl_section_passes_any_verl_key_through_to_verls_dataclasses(tiny_mode
     assert actor.calculate_sum_pi_squared is True and v.actor_rollout_ref.rollout.n == 4
 
 
+@pytest.mark.slow
 def test_bad_verl_overrides_fail_before_any_work(tiny_model_dir, tmp_path):
     from otb_tir.trainer.config import load_config
     from otb_tir.verl.launch import compose_verl_config
@@ -261,6 +264,7 @@ def test_task_runner_installs_the_plugin_before_verls_run(composed, monkeypatch)
     plugin.uninstall()
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """The multi-GPU recipe validated without running: the printed command runs
     ``python -m otb_tir.verl.launch <verl_config.yaml>``, whose main() calls verl's run_ppo with our TaskRunner."""

@@ -88,6 +88,7 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.slow
 def test_plugin_replaces_both_entries_and_compute_advantage_returns_ours():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -94,6 +94,7 @@ def test_a_traceback_then_silence_fails_fast_with_the_traceback(tmp_path):
     assert "weight_loader" in (tmp_path / "verl.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_traceback_in_a_phase_that_then_finishes_is_not_fatal(tmp_path):
     argv = _child(
         tmp_path,
@@ -109,6 +110,7 @@ def test_a_traceback_in_a_phase_that_then_finishes_is_not_fatal(tmp_path):
     _watch(tmp_path, argv, error_grace_s=2)
 
 
+@pytest.mark.slow
 def test_a_phase_that_hangs_after_an_earlier_error_names_where_the_error_appeared(tmp_path):
     """A weight sync whose receiver died may return on the trainer's side and leave the next phase
     waiting on a dead engine: the phase limit stops it, and the error points back at the sync."""

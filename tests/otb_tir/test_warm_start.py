@@ -164,6 +164,7 @@ def test_base_without_config_raises(tmp_path):
         warm_start.warm_start_policy(tmp_path, base=tmp_path, progress=False)
 
 
+@pytest.mark.slow
 def test_cache_key_same_settings_same_folder(tmp_path, monkeypatch):
     """Same settings → the cached folder is reused (no training); a different setting → a new folder."""
     from otb_tir.defaults.tiny import tiny_policy_dir
@@ -185,6 +186,7 @@ def test_default_settings_are_valid():
     TraceMixture().validate()
 
 
+@pytest.mark.slow
 def test_copy_phase_trains_on_tool_call_traces_only(tmp_path, monkeypatch):
     """Phase 1 (``copy_steps``) sees exactly the traces with a tool call, phase 2 all of them;
     the recorded loss curve covers both phases."""
@@ -291,6 +293,7 @@ class _ScriptedCheckPolicy:
         pass
 
 
+@pytest.mark.slow
 def test_check_report_is_what_the_agent_env_episodes_give(tiny_model_dir, tiny_tokenizer, monkeypatch, tmp_path):
     """evaluate_tool_use runs its episodes with AgentEnv (the evaluation's rollout, real tools):
     every figure of the report equals the one computed directly from those trajectories, and the
@@ -356,6 +359,7 @@ def test_check_report_is_what_the_agent_env_episodes_give(tiny_model_dir, tiny_t
     assert sum(row["n"] * row["guess_rate"] for row in report.breakdown.values()) == pytest.approx(4)
 
 
+@pytest.mark.slow
 def test_warm_start_publishes_through_the_cache(tmp_path, monkeypatch):
     """warm_start_policy publishes with agent_env.cache.publish: two concurrent callers train once;
     a build that fails mid-training publishes nothing (no folder, temporary or lock file left)."""

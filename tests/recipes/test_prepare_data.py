@@ -86,6 +86,7 @@ def test_last_boxed_nested_and_unbalanced():
     assert prepare_data.last_boxed("nothing") is None
 
 
+@pytest.mark.slow
 def test_builtin_cli(tmp_path):
     out = tmp_path / "data"
     proc = subprocess.run(

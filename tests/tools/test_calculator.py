@@ -275,6 +275,7 @@ def test_irrational_roots_come_with_an_approximation(n):
 @pytest.mark.parametrize(
     "expression", ["9**9**9**9", "factorial(10**10)", "factorint(nextprime(10**60) * nextprime(10**70))"]
 )
+@pytest.mark.slow
 def test_pathological_input_times_out_and_the_tool_recovers(make_tool, expression):
     tool = make_tool(timeout=1)
     run(tool.start())
@@ -391,6 +392,7 @@ def test_a_crash_of_the_evaluating_process_is_an_error_and_the_caller_goes_on(ca
     assert ask(calc, "6*7").text == "42"
 
 
+@pytest.mark.slow
 def test_sandbox_killed_mid_call_gives_a_timely_answer_then_recovers(make_tool):
     before = sandbox_processes()
     tool = make_tool(timeout=2, workers=1)

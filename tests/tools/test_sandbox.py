@@ -203,6 +203,7 @@ def test_output_cut_has_marker(loop, tool) -> None:
     assert len(body) <= 2000 and body.startswith("0\n1\n2\n")
 
 
+@pytest.mark.slow
 def test_timeout_kills_and_worker_survives(loop, tool) -> None:
     r = call(loop, tool, "print('started', flush=True)\nwhile True:\n    pass")
     assert (r.ok, r.error) == (False, ErrorKind.TIMEOUT)
@@ -228,6 +229,7 @@ def test_stateless_calls_share_nothing(loop) -> None:
         loop.run_until_complete(t.close())
 
 
+@pytest.mark.slow
 def test_stateful_sessions(loop) -> None:
     t = PythonTool(
         backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, stateful=True, timeout=2.0, preload=LIGHT
@@ -328,6 +330,7 @@ def test_output_roundtrips_any_text(loop, tool, s: str) -> None:
     assert r.ok and r.text == s
 
 
+@pytest.mark.slow
 def test_unisolated_backend_is_an_announced_opt_in_with_child_hardening(loop, caplog) -> None:
     import tools.sandbox.backends as b
 
@@ -355,6 +358,7 @@ def test_unisolated_backend_is_an_announced_opt_in_with_child_hardening(loop, ca
 
 # asyncio warns when the transports of a closed loop are garbage-collected; that's expected here
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.slow
 def test_usable_from_successive_event_loops() -> None:
     t = PythonTool(backend="unisolated", workers=1, preload=LIGHT)
     try:

@@ -70,6 +70,7 @@ class LocalDockerBackend(DockerBackend):
         return cfg
 
 
+@pytest.mark.slow
 def test_protocol_and_recycling_with_a_local_worker(tmp_path) -> None:
     backend = LocalDockerBackend(scratch=str(tmp_path / "scratch"))
     t = PythonTool(

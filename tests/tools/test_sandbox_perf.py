@@ -102,6 +102,7 @@ def _write(proc: subprocess.Popen, obj: dict) -> None:
     proc.stdin.flush()
 
 
+@pytest.mark.slow
 def test_prefault_learns_hot_pages_and_spares_them_faults() -> None:
     """A worker with ``prefault``: calibration finds the pages sympy code writes; once recent
     snippets used sympy, idle spares copy them in advance, so the snippet's own run takes far

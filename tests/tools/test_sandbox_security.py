@@ -95,6 +95,7 @@ def assert_only_spares_left(loop, tool: PythonTool, baseline: set[int]) -> None:
 
 
 # ----------------------------------------------------------------------------- reading
+@pytest.mark.slow
 def test_cannot_read_shadow_root_or_trainer_files(loop, tool) -> None:
     targets = [
         "/etc/shadow",
@@ -307,6 +308,7 @@ def test_eight_gigabyte_allocation_fails_cleanly(loop, tool) -> None:
     assert time.perf_counter() - t0 < 10
 
 
+@pytest.mark.slow
 def test_infinite_loop_times_out(loop, tool) -> None:
     before = worker_pids(tool)
     r = call(loop, tool, "while True:\n    pass")
@@ -344,6 +346,7 @@ def _inner_worker_pid(tool: PythonTool, index: int = 0) -> int:
 
 
 @pytest.mark.parametrize("target", ["worker", "bwrap"])
+@pytest.mark.slow
 def test_worker_killed_mid_call(loop, target) -> None:
     t = PythonTool(backend="bwrap", workers=1, timeout=20.0, preload=LIGHT)
 
