@@ -1,0 +1,102 @@
+"""Run a benchmark and write what it printed into docs/results.md, with the date, the machine and
+the exact command: the one way measured figures reach the results page.
+
+    python benchmarks/record.py NAME "Title" -- python benchmarks/bench_advantage.py --reps 5
+
+The section is the text between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; a new
+run replaces it (the rest of the page is kept as it is), a first run appends it. A command that
+exits non-zero writes nothing and its exit code is this script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+
+
+def machine() -> str:
+    """CPU model and count, memory and accelerator, in one line (Linux /proc where available)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        cpu = re.search(r"^model name\s*:\s*(.+)$", text, re.M).group(1).strip()  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        pass
+    mem = ""
+    try:
+        kib = int(re.search(r"^MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text(), re.M).group(1))  # type: ignore[union-attr]
+        mem = f", {kib / 2**20:.0f} GiB"
+    except (OSError, AttributeError, ValueError):
+        pass
+    gpu = "no GPU"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            gpu = ", ".join(sorted(set(out.stdout.split("\n")) - {""}))
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return f"{os.cpu_count()} × {cpu}{mem}, {gpu}, {platform.system()} {platform.release()}"
+
+
+def section(name: str, title: str, command: list[str], output: str, *, when: str, where: str) -> str:
+    return (
+        f"<!-- results:{name} -->\n## {title} ({when})\n\n"
+        f"Machine: {where}. Command: `{shlex.join(command)}`\n\n```text\n{output.rstrip()}\n```\n"
+        f"<!-- /results:{name} -->\n"
+    )
+
+
+def write_section(path: Path, name: str, text: str) -> None:
+    """Replace section ``name`` of ``path`` with ``text`` (or append it), keeping the rest."""
+    page = path.read_text() if path.exists() else "# Measured results\n"
+    pattern = re.compile(rf"<!-- results:{re.escape(name)} -->\n.*?<!-- /results:{re.escape(name)} -->\n", re.S)
+    if pattern.search(page):
+        page = pattern.sub(lambda _: text, page, count=1)
+    else:
+        page = page.rstrip("\n") + "\n\n" + text
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(page)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(description="run a benchmark, record its output in docs/results.md")
+    p.add_argument("name", help="section name (letters, digits, - and _)")
+    p.add_argument("title", help="the section's heading")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    args = p.parse_args(argv[:cut])
+    command = argv[cut + 1 :]
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name) or not command:
+        p.error("a NAME of letters, digits, - and _, and a command after --")
+    proc = subprocess.run(command, capture_output=True, text=True)
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode != 0:
+        print(f"record: the command exited {proc.returncode}; {args.results} not changed", file=sys.stderr)
+        return proc.returncode
+    when = _dt.date.today().isoformat()
+    write_section(
+        args.results, args.name, section(args.name, args.title, command, proc.stdout, when=when, where=machine())
+    )
+    print(f"record: section '{args.name}' of {args.results} written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
