@@ -41,15 +41,16 @@ def resolve_device(name: str) -> Any:
 
 def policy_path(cfg: Any) -> Path:
     """``model.path`` (a local Hugging Face model folder), or the built-in tiny policy after its
-    (cached) SFT warm start."""
+    (cached) SFT warm start for the run's built-in task (``data.task``)."""
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser().resolve()
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
         return path
-    from otb_tir.defaults.warm_start import warm_start_policy
+    from otb_tir.defaults.warm_start import task_warm_start
 
-    return Path(warm_start_policy(steps=cfg.model.warm_start_steps, copy_steps=cfg.model.warm_start_copy_steps, seed=0))
+    m = cfg.model
+    return Path(task_warm_start(cfg.data.task, steps=m.warm_start_steps, copy_steps=m.warm_start_copy_steps))
 
 
 def episode_config(cfg: Any, **overrides: Any) -> Any:

@@ -53,6 +53,9 @@ class Problem:
     expression: str  # evaluates (sympy) to the answer
     answer: str  # canonical exact answer: an integer or a reduced fraction "p/q"
     key: str  # canonical identity of the problem (kind + numbers), used for the split hash
+    #: the chain task's calculator steps: each step after the first refers to the previous
+    #: step's result as ``{r}`` (empty for the single-step arith task)
+    steps: tuple[str, ...] = ()
 
 
 def _fmt(value: Fraction | int) -> str:
@@ -224,16 +227,102 @@ GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
 KINDS = tuple(GENERATORS)
 
 
+# --- the chain task: two dependent computations ------------------------------------------------
+# Each problem chains two calculator steps: the first computes an intermediate the model cannot
+# guess (a 5-7 digit product or a power), the second applies an operation to that result. The
+# warm start's traces make one call per step, copying the first call's output into the second.
+# The whole chain is also one expression (``expression``), so an answer can be checked exactly.
+
+CHAIN_DATA_SOURCE = "otb_tir/chain"
+
+
+def _gen_chain_add(rng: random.Random) -> Problem:
+    a, b, c = rng.randint(100, 999), rng.randint(12, 99), rng.randint(100, 9999)
+    q = _pick(
+        rng,
+        [
+            f"A shop sells {a} boxes with {b} pens in each box, then {c} loose pens. How many pens does it sell?",
+            f"Compute {a} times {b}, then add {c} to the result.",
+        ],
+    )
+    return Problem(
+        "chain_add", q, f"{a}*{b}+{c}", _fmt(a * b + c), f"chain_add:{a}:{b}:{c}", (f"{a}*{b}", f"{{r}}+{c}")
+    )
+
+
+def _gen_chain_sub(rng: random.Random) -> Problem:
+    a, b = rng.randint(5, 29), rng.randint(3, 6)
+    c = rng.randint(10, min(9999, a**b - 1))
+    q = _pick(
+        rng,
+        [
+            f"A colony starts from one cell and grows {a} times larger every hour for {b} hours, "
+            f"then {c} cells die. How many cells are left?",
+            f"Compute {a} to the power of {b}, then subtract {c} from the result.",
+        ],
+    )
+    return Problem(
+        "chain_sub", q, f"{a}**{b}-{c}", _fmt(a**b - c), f"chain_sub:{a}:{b}:{c}", (f"{a}**{b}", f"{{r}}-{c}")
+    )
+
+
+def _gen_chain_div(rng: random.Random) -> Problem:
+    d = rng.randint(13, 97)
+    a = d * rng.randint(11, 99)  # a*b is divisible by d
+    b = rng.randint(12, 99)
+    q = _pick(
+        rng,
+        [
+            f"A farm packs {a} crates with {b} apples in each crate and shares the apples equally "
+            f"among {d} stores. How many apples does each store get?",
+            f"Compute {a} times {b}, then divide the result by {d}.",
+        ],
+    )
+    return Problem(
+        "chain_div", q, f"{a}*{b}/{d}", _fmt(a * b // d), f"chain_div:{a}:{b}:{d}", (f"{a}*{b}", f"{{r}}/{d}")
+    )
+
+
+def _gen_chain_mod(rng: random.Random) -> Problem:
+    a, b, m = rng.randint(100, 9999), rng.randint(12, 999), rng.randint(7, 97)
+    q = _pick(
+        rng,
+        [
+            f"Compute {a} times {b}, then find the remainder when the result is divided by {m}.",
+            f"Compute {a} times {b}, then take the result modulo {m}.",
+        ],
+    )
+    return Problem(
+        "chain_mod", q, f"({a}*{b}) % {m}", _fmt(a * b % m), f"chain_mod:{a}:{b}:{m}", (f"{a}*{b}", f"{{r}} % {m}")
+    )
+
+
+CHAIN_GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
+    "chain_add": _gen_chain_add,
+    "chain_sub": _gen_chain_sub,
+    "chain_div": _gen_chain_div,
+    "chain_mod": _gen_chain_mod,
+}
+CHAIN_KINDS = tuple(CHAIN_GENERATORS)
+
+#: The built-in tasks (``data.task``): their problem generators and data source.
+TASKS: dict[str, tuple[dict[str, Callable[[random.Random], Problem]], str]] = {
+    "arith": (GENERATORS, DATA_SOURCE),
+    "chain": (CHAIN_GENERATORS, CHAIN_DATA_SOURCE),
+}
+
+
 def split_of(key: str) -> str:
     """The split a problem belongs to, from a hash of its canonical key (independent of any seed)."""
     bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % 100
     return "test" if bucket < TEST_PERCENT else "train"
 
 
-def to_verl_item(problem: Problem, split: str, index: int) -> dict[str, Any]:
+def to_verl_item(problem: Problem, split: str, index: int, data_source: str = DATA_SOURCE) -> dict[str, Any]:
     """Wrap a :class:`Problem` in verl's RL-dataset dict format."""
+    extra = {"steps": list(problem.steps)} if problem.steps else {}
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": f"{problem.question} {INSTRUCTION}"}],
         "reward_model": {"style": "rule", "ground_truth": problem.answer},
         "extra_info": {
@@ -242,24 +331,35 @@ def to_verl_item(problem: Problem, split: str, index: int) -> dict[str, Any]:
             "kind": problem.kind,
             "expression": problem.expression,
             "question": problem.question,
+            **extra,
         },
         "agent_name": AGENT_NAME,
     }
 
 
-def iter_problems(split: str, seed: int = 0, kinds: Iterable[str] | None = None) -> Iterable[Problem]:
-    """Endless stream of distinct problems of ``split``, deterministic in ``(split, seed, kinds)``."""
+def _task(task: str) -> tuple[dict[str, Callable[[random.Random], Problem]], str]:
+    if task not in TASKS:
+        raise EnvError(f"unknown task {task!r}: choose one of {list(TASKS)}")
+    return TASKS[task]
+
+
+def iter_problems(
+    split: str, seed: int = 0, kinds: Iterable[str] | None = None, task: str = "arith"
+) -> Iterable[Problem]:
+    """Endless stream of distinct problems of ``split``, deterministic in ``(split, seed, kinds, task)``."""
     if split not in SPLITS:
         raise EnvError(f"unknown split {split!r}: choose one of {list(SPLITS)}")
-    chosen = list(KINDS if kinds is None else kinds)
-    unknown = [k for k in chosen if k not in GENERATORS]
+    generators, _ = _task(task)
+    chosen = list(generators if kinds is None else kinds)
+    unknown = [k for k in chosen if k not in generators]
     if unknown or not chosen:
-        raise EnvError(f"unknown problem kinds {unknown or chosen!r}: choose from {list(KINDS)}")
-    rng = random.Random(f"otb_tir/arith:{split}:{seed}")  # str seeds hash deterministically
+        raise EnvError(f"unknown problem kinds {unknown or chosen!r} for task {task!r}: choose from {list(generators)}")
+    # str seeds hash deterministically; the arith task keeps its historical stream
+    rng = random.Random(f"otb_tir/arith:{split}:{seed}" if task == "arith" else f"otb_tir/{task}:{split}:{seed}")
     seen: set[str] = set()
     misses = 0
     while True:
-        problem = GENERATORS[chosen[rng.randrange(len(chosen))]](rng)
+        problem = generators[chosen[rng.randrange(len(chosen))]](rng)
         if problem.key in seen or split_of(problem.key) != split:
             misses += 1
             if misses > 100_000:
@@ -271,18 +371,20 @@ def iter_problems(split: str, seed: int = 0, kinds: Iterable[str] | None = None)
 
 
 def make_split(
-    split: str = "train", n: int = 1000, seed: int = 0, kinds: Iterable[str] | None = None
+    split: str = "train", n: int = 1000, seed: int = 0, kinds: Iterable[str] | None = None, task: str = "arith"
 ) -> list[dict[str, Any]]:
-    """``n`` distinct problems of ``split`` ("train" or "test") in verl's dict format.
+    """``n`` distinct problems of ``split`` ("train" or "test") of the built-in ``task`` ("arith",
+    one computation; "chain", two dependent ones) in verl's dict format.
 
-    Deterministic in ``(split, n, seed, kinds)`` (a larger ``n`` extends a smaller one). Train and
-    test never share a problem, whatever the seeds.
+    Deterministic in ``(split, n, seed, kinds, task)`` (a larger ``n`` extends a smaller one). Train
+    and test never share a problem, whatever the seeds.
     """
     if not isinstance(n, int) or n < 0:
         raise EnvError(f"n must be a non-negative int, got {n!r}")
+    _, data_source = _task(task)
     items = []
-    for index, problem in zip(range(n), iter_problems(split, seed, kinds)):
-        items.append(to_verl_item(problem, split, index))
+    for index, problem in zip(range(n), iter_problems(split, seed, kinds, task)):
+        items.append(to_verl_item(problem, split, index, data_source))
     return items
 
 

@@ -78,42 +78,52 @@ class TraceMixture:
     python: float = 0.1
     guess: float = 1.0
     wrong_tool: float = 0.0
+    #: the chain task only: make the first step's call, then box its result (the intermediate,
+    #: a wrong answer) instead of calling the tool for the second step
+    stop_early: float = 0.0
     guess_right: float = 0.25
     tool_share: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TOOL_SHARE))
 
     def validate(self) -> None:
-        weights = (self.tool, self.python, self.guess, self.wrong_tool)
+        weights = (self.tool, self.python, self.guess, self.wrong_tool, self.stop_early)
         if any(not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"trace mixture weights must be >= 0 with a positive sum, got {self}")
         if not 0 <= self.guess_right <= 1:
             raise ConfigError(f"guess_right must be in [0, 1], got {self.guess_right}")
-        from agent_env.math_task.data import KINDS
+        from agent_env.math_task.data import CHAIN_KINDS, KINDS
 
         for kind, share in self.tool_share.items():
-            if kind not in KINDS:
-                raise ConfigError(f"tool_share names unknown problem kind {kind!r}; kinds: {', '.join(KINDS)}")
+            if kind not in KINDS + CHAIN_KINDS:
+                raise ConfigError(
+                    f"tool_share names unknown problem kind {kind!r}; kinds: {', '.join(KINDS + CHAIN_KINDS)}"
+                )
             if not isinstance(share, (int, float)) or not 0 <= share <= 1:
                 raise ConfigError(f"tool_share[{kind!r}] must be in [0, 1], got {share!r}")
         if any(self.tool_share.get(k, 0) > 0 for k in KINDS) and self.tool + self.python + self.wrong_tool <= 0:
             raise ConfigError("tool_share > 0 needs a positive tool, python or wrong_tool weight")
 
     def mode_weights(self, kind: str) -> dict[str, float]:
-        """Probabilities of ``tool`` / ``python`` / ``guess`` / ``wrong_tool`` for one problem kind."""
+        """Probabilities of ``tool`` / ``python`` / ``guess`` / ``wrong_tool`` / ``stop_early`` for one
+        problem kind (``stop_early`` only for the chain task's kinds, ``python`` only where ``print``
+        of the expression is the answer)."""
+        from agent_env.math_task.data import CHAIN_KINDS
+
         w = {
             "tool": self.tool,
             "python": self.python if kind in _PYTHON_KINDS else 0.0,
             "guess": self.guess,
             "wrong_tool": self.wrong_tool,
+            "stop_early": self.stop_early if kind in CHAIN_KINDS else 0.0,
         }
         if kind in self.tool_share:
-            tools = w["tool"] + w["python"] + w["wrong_tool"]
+            tools = w["tool"] + w["python"] + w["wrong_tool"] + w["stop_early"]
             share = self.tool_share[kind] if tools > 0 else 0.0
             w = {m: (v / tools * share if tools > 0 else 0.0) for m, v in w.items() if m != "guess"} | {
                 "guess": 1 - share
             }
         total = sum(w.values())
         if total <= 0:
-            return {"tool": 1.0, "python": 0.0, "guess": 0.0, "wrong_tool": 0.0}
+            return {"tool": 1.0, "python": 0.0, "guess": 0.0, "wrong_tool": 0.0, "stop_early": 0.0}
         return {m: v / total for m, v in w.items()}
 
 
@@ -169,6 +179,11 @@ class _Plan:
     call: dict[str, Any] | None = None
     answer: str | None = None  # final boxed answer for traces without a call
     result: str | None = None  # filled in by running the tool
+    #: the chain task: calculator expressions of the later steps, ``{r}`` standing for the previous
+    #: step's result (filled in, and run, by ``_run_plans``)
+    follow: list[str] = field(default_factory=list)
+    follow_calls: list[dict[str, Any]] = field(default_factory=list)
+    follow_results: list[str] = field(default_factory=list)
 
 
 def plan_trace(item: dict[str, Any], rng: random.Random, mixture: TraceMixture) -> _Plan:
@@ -178,6 +193,12 @@ def plan_trace(item: dict[str, Any], rng: random.Random, mixture: TraceMixture) 
     truth = item["reward_model"]["ground_truth"]
     modes, w = zip(*mixture.mode_weights(kind).items())
     mode = rng.choices(modes, weights=w)[0]
+    steps = list(item["extra_info"].get("steps") or [])
+    if steps:  # the chain task: one calculator call per step, each on the previous step's result
+        first = steps[0] if mode != "wrong_tool" else _perturb_number(steps[0], rng)
+        if mode in ("tool", "wrong_tool", "stop_early"):
+            follow = [] if mode == "stop_early" else steps[1:]
+            return _Plan(item, mode, {"name": "calculator", "arguments": {"expression": first}}, follow=follow)
     name, call_expr = reference_call(item)
     if mode == "tool":
         return _Plan(item, mode, {"name": name, "arguments": {"expression": call_expr}})
@@ -200,23 +221,36 @@ def plan_messages(plan: _Plan) -> list[dict[str, Any]]:
         return messages + [_final(plan.answer)]
     if plan.result is None:
         raise ConfigError("run the tool calls (run_plans) before rendering a tool trace")
-    messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": plan.call}]})
-    messages.append({"role": "tool", "content": plan.result})
-    messages.append(_final(final_answer_from_result(plan.result)))
+    if len(plan.follow_results) != len(plan.follow):
+        raise ConfigError("run the tool calls (run_plans) before rendering a chain trace")
+    result = plan.result
+    for call, res in [(plan.call, plan.result), *zip(plan.follow_calls, plan.follow_results)]:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]})
+        messages.append({"role": "tool", "content": res})
+        result = res
+    messages.append(_final(final_answer_from_result(result)))
     return messages
 
 
 async def _run_plans(plans: list[_Plan], concurrency: int = 8) -> None:
     from tools import get_tool
 
-    names = sorted({p.call["name"] for p in plans if p.call is not None})
+    names = sorted({p.call["name"] for p in plans if p.call is not None} | {"calculator" for p in plans if p.follow})
     tools = {name: get_tool(name) for name in names}
     sem = asyncio.Semaphore(concurrency)
 
     async def one(plan: _Plan) -> None:
         async with sem:
             res = await tools[plan.call["name"]].call(plan.call["arguments"])
-        plan.result = res.text
+            plan.result = res.text
+            for template in plan.follow:  # the chain task: the next step on this step's result
+                call = {
+                    "name": "calculator",
+                    "arguments": {"expression": template.format(r=final_answer_from_result(res.text))},
+                }
+                res = await tools["calculator"].call(call["arguments"])
+                plan.follow_calls.append(call)
+                plan.follow_results.append(res.text)
 
     try:
         await asyncio.gather(*(one(p) for p in plans if p.call is not None))
@@ -225,14 +259,16 @@ async def _run_plans(plans: list[_Plan], concurrency: int = 8) -> None:
             await tool.close()
 
 
-def make_traces(n: int, seed: int = 0, mixture: TraceMixture | None = None) -> list[list[dict[str, Any]]]:
-    """``n`` SFT conversations on built-in *train* problems, tool results from the real tools."""
+def make_traces(
+    n: int, seed: int = 0, mixture: TraceMixture | None = None, task: str = "arith"
+) -> list[list[dict[str, Any]]]:
+    """``n`` SFT conversations on built-in *train* problems of ``task``, tool results from the real tools."""
     from agent_env.math_task.data import make_split
 
     mixture = mixture or TraceMixture()
     mixture.validate()
-    rng = random.Random(f"warm-start-traces:{seed}")
-    plans = [plan_trace(item, rng, mixture) for item in make_split("train", n, seed=seed)]
+    rng = random.Random(f"warm-start-traces:{seed}" if task == "arith" else f"warm-start-traces:{task}:{seed}")
+    plans = [plan_trace(item, rng, mixture) for item in make_split("train", n, seed=seed, task=task)]
     asyncio.run(_run_plans(plans))
     return [plan_messages(p) for p in plans]
 
@@ -258,8 +294,13 @@ class WarmStartSettings:
     hidden_size: int = 128  # the built-in base model's size (ignored with an explicit ``base``)
     layers: int = 4
     mixture: TraceMixture = field(default_factory=TraceMixture)
+    task: str = "arith"  # the built-in task whose train problems the traces solve (arith | chain)
 
     def validate(self) -> None:
+        from agent_env.math_task.data import TASKS
+
+        if self.task not in TASKS:
+            raise ConfigError(f"warm start task must be one of {list(TASKS)}, got {self.task!r}")
         if not isinstance(self.copy_steps, int) or isinstance(self.copy_steps, bool) or self.copy_steps < 0:
             raise ConfigError(f"warm start copy_steps must be an int >= 0, got {self.copy_steps!r}")
         for name in ("steps", "batch_size", "n_traces", "hidden_size", "layers"):
@@ -331,6 +372,7 @@ def warm_start_policy(
     warmup_steps: int | None = None,
     mixture: TraceMixture | None = None,
     base: str | os.PathLike | None = None,
+    task: str = "arith",
     progress: bool = True,
 ) -> Path:
     """The tiny policy after a short SFT on generated traces: an HF folder (model + tokenizer with
@@ -359,7 +401,7 @@ def warm_start_policy(
         "warmup_steps": warmup_steps,
     }
     settings = WarmStartSettings(
-        seed=seed, mixture=mixture or TraceMixture(), **{k: v for k, v in given.items() if v is not None}
+        seed=seed, mixture=mixture or TraceMixture(), task=task, **{k: v for k, v in given.items() if v is not None}
     )
     settings.validate()
     base_path = Path(base) if base is not None else tiny_policy_dir(cache_dir, **settings.base_model_overrides())
@@ -403,7 +445,7 @@ def _train(
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     logger.info("warm start: generating %d traces", settings.n_traces)
-    traces = make_traces(settings.n_traces, seed=settings.seed, mixture=settings.mixture)
+    traces = make_traces(settings.n_traces, seed=settings.seed, mixture=settings.mixture, task=settings.task)
     examples = [tokenize_conversation(tokenizer, m, tools=schemas) for m in traces]
     t1 = time.perf_counter()
     losses: list[float] = []
@@ -425,6 +467,51 @@ def _train(
             "train_seconds": t2 - t1,
             "tokens_per_example": sum(len(e.input_ids) for e in examples) / len(examples),
         },
+    )
+
+
+#: The chain task's trace mixture: both steps' calls (``tool``) less often than stopping after
+#: the first step's call and boxing its intermediate result (``stop_early``, wrong), so greedy
+#: decoding starts mostly wrong and RL has to learn to make the second call; direct guesses of
+#: an unguessable answer are always wrong.
+CHAIN_MIXTURE = TraceMixture(
+    tool=0.35, python=0.0, guess=0.2, wrong_tool=0.0, stop_early=0.45, guess_right=0.0, tool_share={}
+)
+#: SFT steps and traces of the chain task's warm start (continued from the arith warm start).
+CHAIN_STEPS = 400
+CHAIN_TRACES = 2000
+
+
+def task_warm_start(
+    task: str = "arith",
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    steps: int | None = None,
+    copy_steps: int | None = None,
+    n_traces: int | None = None,
+    chain_steps: int = CHAIN_STEPS,
+    progress: bool = True,
+) -> Path:
+    """The built-in policy warm-started for ``task`` (``data.task``): the arith warm start
+    (:func:`warm_start_policy` with ``steps`` / ``copy_steps`` / ``n_traces``), and for ``chain`` that policy after
+    ``chain_steps`` more SFT steps on chain-task traces (:data:`CHAIN_MIXTURE`; cached likewise)."""
+    warmup = None if steps is None else min(WarmStartSettings.warmup_steps, steps - 1)  # short test builds
+    base = warm_start_policy(
+        cache_dir, steps=steps, copy_steps=copy_steps, n_traces=n_traces, warmup_steps=warmup, seed=0, progress=progress
+    )
+    if task == "arith":
+        return base
+    return warm_start_policy(
+        cache_dir,
+        base=base,
+        task=task,
+        steps=chain_steps,
+        copy_steps=0,
+        n_traces=CHAIN_TRACES,
+        warmup_steps=min(50, chain_steps - 1),
+        mixture=CHAIN_MIXTURE,
+        seed=0,
+        progress=progress,
     )
 
 

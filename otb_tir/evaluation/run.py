@@ -54,8 +54,8 @@ def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
                 raise ConfigError(f"data.files: {e}") from None
         desc = ", ".join(str(f) for f in cfg.data.files)
     else:
-        items = make_split("test", cfg.data.size, seed=0)  # the held-out split, as training's val set
-        desc = "built-in generator, held-out split"
+        items = make_split("test", cfg.data.size, seed=0, task=cfg.data.task)  # training's val set
+        desc = f"built-in generator ({cfg.data.task} task), held-out split"
     if cfg.data.size:
         items = items[: cfg.data.size]
     if not items:

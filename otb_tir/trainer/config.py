@@ -30,6 +30,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # built-in task (generator, held-out split, warm start) when no files are given: arith (one
+    # computation per problem) | chain (two dependent computations: a tool call whose result feeds the next).
+    task: str = "arith"
     train_files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in generator
     # verl-format parquet of held-out problems; empty → built-in held-out split
     val_files: list[str] = field(default_factory=list)
@@ -119,6 +122,7 @@ class HeldOutConfig:  # the held-out evaluation before and after training (the `
     temperature: float = 0.0  # held-out sampling temperature (0 = greedy)
     before: bool = True  # evaluate before training (summary.json 'before')
     after: bool = True  # evaluate after training (summary.json 'after')
+    every: int = 0  # also every N steps during training, logged as val/* in metrics.jsonl (0 = never)
 
 
 @dataclass
@@ -174,6 +178,7 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "data.task": ("arith", "chain"),
     "rollout.name": ("auto", "hf", "vllm", "sglang"),
     "multi_turn.format": ("hermes", "code_block"),
     "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),

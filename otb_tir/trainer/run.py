@@ -28,11 +28,13 @@ def load_items(cfg) -> tuple[list[dict], list[dict]]:
     if cfg.data.train_files:
         train = [row for f in cfg.data.train_files for row in load_parquet(f)]
     else:
-        train = make_split("train", cfg.data.train_size, seed=cfg.trainer.seed)
+        train = make_split("train", cfg.data.train_size, seed=cfg.trainer.seed, task=cfg.data.task)
     if cfg.data.val_files:
         val = [row for f in cfg.data.val_files for row in load_parquet(f)]
     else:
-        val = make_split("test", cfg.data.val_size, seed=0)  # the held-out set does not move with the seed
+        val = make_split(
+            "test", cfg.data.val_size, seed=0, task=cfg.data.task
+        )  # the held-out set does not move with the seed
     return train, val[: cfg.eval.size] if cfg.eval.size else val
 
 

@@ -272,6 +272,9 @@ class Trainer:
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
         metrics["rollout/sampled_tokens_per_s"] = batch.stats.get("sampled_tokens_per_s", float("nan"))
+        # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)
+        metrics["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
+        metrics["rollout/tool_tokens"] = float(sum(len(t.response_ids) - sum(t.response_mask) for t in trajs))
         metrics.update(timing)
         metrics["timing/step_s"] = time.perf_counter() - t0
         return StepResult(metrics, batch)
@@ -345,9 +348,12 @@ class Trainer:
         history = []
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, desc="train", unit="step", disable=not progress or self.rank != 0)
+        every = self.cfg.eval.every
         while self.step < total:
             res = self.train_step()
             self.step += 1
+            if every and self.step % every == 0 and self.step < total:  # the last step: run.py's `after`
+                res.metrics.update(self.evaluate(tag="val")[0])  # the held-out curve, val/* in this row
             history.append(res.metrics)
             if self.logger is not None:
                 self.logger.log(res.metrics, self.step)

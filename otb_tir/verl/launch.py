@@ -218,12 +218,14 @@ def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
             raise ConfigError(f"data file not found: {p}")
     if not train:
         path = out / "data" / "train.parquet"
-        write_parquet(make_split("train", cfg.data.train_size, seed=cfg.trainer.seed), path)
+        write_parquet(make_split("train", cfg.data.train_size, seed=cfg.trainer.seed, task=cfg.data.task), path)
         train = [str(path)]
     if not val:
         n = min(cfg.data.val_size, cfg.eval.size) if cfg.eval.size else cfg.data.val_size
         path = out / "data" / "test.parquet"
-        write_parquet(make_split("test", n, seed=0), path)  # the held-out set does not move with the seed
+        write_parquet(
+            make_split("test", n, seed=0, task=cfg.data.task), path
+        )  # the held-out set does not move with the seed
         val = [str(path)]
     return train, val
 
@@ -345,7 +347,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "trainer.default_local_dir": str(out / "checkpoints"),
         "trainer.resume_mode": "auto" if cfg.trainer.resume else "disable",
         "trainer.val_before_train": bool(cfg.eval.before),
-        "trainer.test_freq": int(cfg.trainer.total_steps) if cfg.eval.after else -1,
+        # verl validates every test_freq steps and after the last: eval.every, else only at the end
+        "trainer.test_freq": (int(cfg.eval.every) or int(cfg.trainer.total_steps)) if cfg.eval.after else -1,
         "trainer.project_name": cfg.trainer.project_name,
         "trainer.experiment_name": cfg.trainer.experiment_name,
         "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if _LOGGERS.get(name)],

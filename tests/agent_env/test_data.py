@@ -149,3 +149,101 @@ def test_load_parquet_defaults_and_json_extra_info(tmp_path):
     )
     (row,) = load_parquet(path)
     assert row["extra_info"] == {"a": 1} and row["agent_name"] == "tool_agent"
+
+
+# --- the chain task (data.task=chain) ----------------------------------------------------------
+
+_CHAIN_PATTERNS = {
+    # kind: (regex over the question, how the numbers combine), written from the question's words
+    "chain_add": [
+        (r"sells (\d+) boxes with (\d+) pens in each box, then (\d+) loose pens", lambda a, b, c: a * b + c),
+        (r"Compute (\d+) times (\d+), then add (\d+) to the result", lambda a, b, c: a * b + c),
+    ],
+    "chain_sub": [
+        (r"grows (\d+) times larger every hour for (\d+) hours, then (\d+) cells die", lambda a, b, c: a**b - c),
+        (r"Compute (\d+) to the power of (\d+), then subtract (\d+) from the result", lambda a, b, c: a**b - c),
+    ],
+    "chain_div": [
+        (
+            r"packs (\d+) crates with (\d+) apples in each crate and shares the apples equally among (\d+) stores",
+            lambda a, b, d: Fraction(a * b, d),
+        ),
+        (r"Compute (\d+) times (\d+), then divide the result by (\d+)", lambda a, b, d: Fraction(a * b, d)),
+    ],
+    "chain_mod": [
+        (
+            r"Compute (\d+) times (\d+), then find the remainder when the result is divided by (\d+)",
+            lambda a, b, m: (a * b) % m,
+        ),
+        (r"Compute (\d+) times (\d+), then take the result modulo (\d+)", lambda a, b, m: (a * b) % m),
+    ],
+}
+
+
+def _brute_force_chain(item: dict) -> Fraction:
+    """The answer recomputed from the question's words alone (one pattern per phrasing)."""
+    import re
+
+    info = item["extra_info"]
+    for pattern, combine in _CHAIN_PATTERNS[info["kind"]]:
+        m = re.search(pattern, info["question"])
+        if m:
+            return Fraction(combine(*map(int, m.groups())))
+    raise AssertionError(f"no phrasing of {info['kind']} matches {info['question']!r}")
+
+
+def _run_steps(steps: list[str]) -> Fraction:
+    """The chain's calculator steps run one after the other, each on the previous result."""
+    value = None
+    for step in steps:
+        value = sympy.sympify(step.format(r=value))
+    return Fraction(str(value))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), split=st.sampled_from(["train", "test"]))
+def test_chain_answers_match_brute_force_and_their_steps(seed, split):
+    from agent_env.math_task.data import CHAIN_DATA_SOURCE, CHAIN_KINDS
+
+    items = make_split(split, 40, seed=seed, task="chain")
+    assert {i["extra_info"]["kind"] for i in items} <= set(CHAIN_KINDS)
+    for item in items:
+        info = item["extra_info"]
+        truth = Fraction(item["reward_model"]["ground_truth"])
+        assert item["data_source"] == CHAIN_DATA_SOURCE and info["split"] == split
+        assert _brute_force_chain(item) == truth
+        assert _run_steps(info["steps"]) == truth  # the two steps, chained
+        assert Fraction(str(sympy.sympify(info["expression"]))) == truth  # the one-expression form
+        assert truth.denominator == 1 and truth >= 0
+        # the intermediate is not the answer: stopping after the first call is wrong
+        assert _run_steps(info["steps"][:1]) != truth
+        assert len(info["steps"]) == 2 and "{r}" in info["steps"][1] and "{r}" not in info["steps"][0]
+
+
+def test_chain_splits_disjoint_deterministic_and_graded_by_the_math_reward():
+    from agent_env.math_task.data import CHAIN_KINDS
+    from agent_env.math_task.reward import math_reward
+
+    train = make_split("train", 2000, seed=1, task="chain")
+    test = make_split("test", 400, seed=2, task="chain")
+    key = lambda i: i["prompt"][0]["content"]  # noqa: E731
+    assert not {key(i) for i in train} & {key(i) for i in test}
+    assert len({key(i) for i in train}) == len(train)
+    assert make_split("test", 50, seed=2, task="chain") == test[:50]
+    assert {i["extra_info"]["kind"] for i in test} == set(CHAIN_KINDS)
+    assert make_split("train", 50, seed=1) != train[:50]  # the default task is untouched
+    for item in test[:50]:
+        truth = item["reward_model"]["ground_truth"]
+        intermediate = str(_run_steps(item["extra_info"]["steps"][:1]))
+        assert math_reward(f"The answer is \\boxed{{{truth}}}.", truth).correct
+        assert not math_reward(f"The answer is \\boxed{{{intermediate}}}.", truth).correct
+    with pytest.raises(EnvError, match="unknown task"):
+        make_split("test", 5, task="chains")
+    with pytest.raises(EnvError, match="unknown problem kinds"):
+        make_split("test", 5, task="chain", kinds=["mul"])
+
+
+def test_chain_parquet_round_trip_keeps_the_steps(tmp_path):
+    items = make_split("test", 20, task="chain")
+    path = write_parquet(items, tmp_path / "chain.parquet")
+    assert load_parquet(path) == items

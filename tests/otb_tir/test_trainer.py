@@ -135,6 +135,34 @@ def test_filters_mask_whole_trajectories(tmp_path, tiny_model_factory, tiny_toke
     asyncio_close(tr)
 
 
+def test_void_turn_filter_masks_exactly_the_rows_with_a_void_turn(tmp_path, tiny_model_factory, tiny_tokenizer):
+    """`algorithm.filter.void_turns` (SimpleTIR) zeroes the loss mask of every trajectory with a
+    void turn and leaves every other row bit-identical; off, it changes nothing."""
+    import random
+
+    tr = _trainer(tmp_path, tiny_model_factory, tiny_tokenizer)
+    batch = tr._rollout(make_split("train", 4), 4, seed=3)
+    off = load_config(None, [])
+    on = load_config(None, ["algorithm.filter.void_turns=true"])
+    base, m_off = filter_loss_mask(batch, off)
+    assert torch.equal(base, batch["response_mask"].float()) and m_off["filter/kept_frac"] == 1.0
+    rng = random.Random(0)
+    # the real episodes' void turns, then random assignments (rows with and without a void turn)
+    for trial in range(6):
+        if trial:
+            for t in batch.trajectories:
+                t.void_turns = rng.choice([0, 0, 1, 2])
+        void = torch.tensor([t.void_turns > 0 for t in batch.trajectories])
+        if trial:
+            assert void.any() and (~void).any()
+        mask, m = filter_loss_mask(batch, on)
+        assert torch.all(mask[void] == 0)
+        assert torch.equal(mask[~void], base[~void])
+        assert m["filter/kept_frac"] == pytest.approx(float((~void).float().mean()))
+        assert torch.equal(filter_loss_mask(batch, off)[0], base)  # off: the void turns are ignored
+    asyncio_close(tr)
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_loses_no_step(tmp_path, tiny_model_dir):
     out = tmp_path / "run"

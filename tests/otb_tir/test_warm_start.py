@@ -395,3 +395,71 @@ def test_warm_start_publishes_through_the_cache(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="mid-training"):
         warm_start.warm_start_policy(tmp_path, **{**kw, "steps": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == [results[0].name]
+
+
+# --- the chain task's warm start -----------------------------------------------------------------
+
+
+def test_chain_traces_chain_the_real_calculator_and_box_the_right_value():
+    """Full-chain traces call the real calculator once per step, the second call on the first
+    call's output, and box the ground truth; stop-early traces box the intermediate (wrong)."""
+    from agent_env.math_task.data import CHAIN_KINDS
+
+    n = 24
+    items = make_split("train", n, seed=0, task="chain")
+    for mode, mixture in [
+        ("tool", TraceMixture(tool=1, python=0, guess=0, stop_early=0, tool_share={})),
+        ("stop_early", TraceMixture(tool=0, python=0, guess=0, stop_early=1, tool_share={})),
+    ]:
+        traces = make_traces(n, seed=0, mixture=mixture, task="chain")
+        for messages, item in zip(traces, items):
+            steps, truth = item["extra_info"]["steps"], item["reward_model"]["ground_truth"]
+            calls = [m["tool_calls"][0]["function"] for m in messages if m.get("tool_calls")]
+            results = [m["content"] for m in messages if m["role"] == "tool"]
+            assert calls[0] == {"name": "calculator", "arguments": {"expression": steps[0]}}
+            first = _sympy_value(steps[0])
+            assert Fraction(results[0]) == first  # the real calculator's output, checked by sympy
+            if mode == "tool":
+                assert len(calls) == 2
+                assert calls[1]["arguments"]["expression"] == steps[1].format(r=results[0])
+                assert Fraction(results[1]) == Fraction(truth)
+                assert messages[-1]["content"] == f"The answer is \\boxed{{{truth}}}."
+            else:
+                assert len(calls) == 1 and messages[-1]["content"] == f"The answer is \\boxed{{{results[0]}}}."
+                assert results[0] != truth
+    m = TraceMixture(tool=0.35, python=0.5, guess=0.2, stop_early=0.45, guess_right=0, tool_share={})
+    for kind in CHAIN_KINDS:
+        w = m.mode_weights(kind)
+        assert w["python"] == 0 and w["stop_early"] == pytest.approx(0.45)  # print(expr) would be one call
+    assert TraceMixture(stop_early=1).mode_weights("mul")["stop_early"] == 0  # arith kinds have one step
+
+
+@pytest.mark.slow
+def test_chain_warm_start_continues_from_the_arith_warm_start(tmp_path, monkeypatch):
+    """``data.task=chain``'s policy: the arith warm start (the base), then SFT on chain traces only,
+    cached under its own key."""
+    from otb_tir.defaults.tiny import tiny_policy_dir
+
+    tiny_policy_dir(tmp_path)
+    seen = []
+    real = warm_start.sft_train
+
+    def spy(model, examples, pad_id, cfg):
+        seen.append(len(examples))
+        return real(model, examples, pad_id, cfg)
+
+    monkeypatch.setattr(warm_start, "sft_train", spy)
+    monkeypatch.setattr(warm_start, "CHAIN_TRACES", 12)
+    kw = dict(steps=2, copy_steps=1, n_traces=12, chain_steps=2, progress=False)
+    chain = warm_start.task_warm_start("chain", tmp_path, **kw)
+    arith = warm_start.task_warm_start("arith", tmp_path, **kw)
+    assert chain != arith and chain.parent == arith.parent == tmp_path
+    import json
+
+    record = json.loads((chain / "otb_tir_warm_start.json").read_text())
+    assert record["key"]["settings"]["task"] == "chain"
+    assert record["key"]["base"] == str(arith.resolve())
+    assert seen[-1] == 12  # the chain phase trained on the chain traces
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(chain)
