@@ -419,7 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     if not args.report_only:
-        jobs = [(task, arm, seed) for task in args.tasks for arm in arms for seed in (arm.seeds or args.seeds)]
+        # seed-major within a task: an interrupted sweep has every arm at the same number of seeds
+        jobs = [
+            (task, arm, seed)
+            for task in args.tasks
+            for seed in args.seeds
+            for arm in arms
+            if seed in (arm.seeds or args.seeds)
+        ]
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()

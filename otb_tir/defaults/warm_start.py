@@ -475,7 +475,7 @@ def _train(
 #: decoding starts mostly wrong and RL has to learn to make the second call; direct guesses of
 #: an unguessable answer are always wrong.
 CHAIN_MIXTURE = TraceMixture(
-    tool=0.35, python=0.0, guess=0.2, wrong_tool=0.0, stop_early=0.45, guess_right=0.0, tool_share={}
+    tool=0.3, python=0.0, guess=0.2, wrong_tool=0.0, stop_early=0.5, guess_right=0.0, tool_share={}
 )
 #: SFT steps and traces of the chain task's warm start (continued from the arith warm start).
 CHAIN_STEPS = 400
@@ -607,6 +607,7 @@ def _breakdown(items, correct, first_call, first_correct, first_args, first_resu
         if first_call[i]:
             r["calls"] += 1
             refs = {reference_call(it)[1], f"print({it['extra_info'].get('expression')})"}
+            refs |= set((it["extra_info"].get("steps") or [])[:1])  # the chain task: its first step
             arg = first_args[i] or {}
             given = arg.get("expression", arg.get("code"))
             has_answer = first_result[i] is not None and _numbers(first_result[i])[-1:] == [truth]
@@ -719,6 +720,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden-size", type=int, default=d.hidden_size)
     ap.add_argument("--layers", type=int, default=d.layers)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", default="arith", choices=["arith", "chain"], help="chain: + the chain task's SFT")
+    ap.add_argument("--chain-steps", type=int, default=CHAIN_STEPS)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--check", type=int, default=0, metavar="N", help="evaluate on N held-out problems")
     ap.add_argument("--report-dir", default=None, help="keep the check's evaluation reports here")
@@ -737,9 +740,18 @@ def main(argv: list[str] | None = None) -> None:
         hidden_size=args.hidden_size,
         layers=args.layers,
     )
+    if args.task != "arith":
+        path = task_warm_start(
+            args.task,
+            args.cache_dir,
+            steps=args.steps,
+            copy_steps=args.copy_steps,
+            n_traces=args.n_traces,
+            chain_steps=args.chain_steps,
+        )
     logger.info("policy: %s (%.1f s)", path, time.perf_counter() - t)
     if args.check:
-        items = make_split("test", args.check, seed=0)
+        items = make_split("test", args.check, seed=0, task=args.task)
         for temp in (0.0, 1.0):
             report_dir = None if args.report_dir is None else Path(args.report_dir) / f"T{temp:g}"
             report = asdict(evaluate_tool_use(path, items, temperature=temp, report_dir=report_dir))
