@@ -69,10 +69,14 @@ def test_per_kind_tool_shares_match_the_mixture():
 def test_mode_weights():
     m = TraceMixture(tool=3, python=1, guess=4, wrong_tool=0, tool_share={"mul": 0.5})
     w = m.mode_weights("mul")
-    assert w == pytest.approx({"tool": 0.375, "python": 0.125, "guess": 0.5, "wrong_tool": 0.0})
+    no = {"stop_early": 0.0}  # a chain-task mode: arith kinds have one step
+    assert w == pytest.approx({"tool": 0.375, "python": 0.125, "guess": 0.5, "wrong_tool": 0.0, **no})
     # kinds not in tool_share use the weights as they are; python only for print()-exact kinds
-    assert m.mode_weights("add") == pytest.approx({"tool": 3 / 8, "python": 1 / 8, "guess": 0.5, "wrong_tool": 0})
-    assert m.mode_weights("frac") == pytest.approx({"tool": 3 / 7, "python": 0.0, "guess": 4 / 7, "wrong_tool": 0})
+    add = {"tool": 3 / 8, "python": 1 / 8, "guess": 0.5, "wrong_tool": 0, **no}
+    assert m.mode_weights("add") == pytest.approx(add)
+    assert m.mode_weights("frac") == pytest.approx(
+        {"tool": 3 / 7, "python": 0.0, "guess": 4 / 7, "wrong_tool": 0, **no}
+    )
     assert sum(TraceMixture().mode_weights("quadratic").values()) == pytest.approx(1.0)
 
 
