@@ -18,7 +18,7 @@ from its last checkpoint (``trainer.resume=true``), so killing the sweep loses a
 tables are also printed): per run, the held-out accuracy curve (greedy, every ``--eval-every``
 steps), sampled and tool tokens, wall time, gradient norm (max and median), clip fraction and
 entropy; per arm, mean ± 95 % CI across seeds (Student t) at **equal steps** (the last) and at
-**equal sampled tokens** (each run's curve interpolated at the budget the n=4 arms spend), and the
+**equal sampled tokens** (each run's curve interpolated at the least any n=4 run spent), and the
 tokens each arm needs to reach the GRPO n=16 arm's final accuracy. A run *collapsed* when its
 held-out accuracy ends more than 0.05 below where it started or its tool-call rate halves.
 """
@@ -181,6 +181,9 @@ def read_run(d: Path) -> dict[str, Any] | None:
             curve.append((s, tokens_at[s], rows[s]["val/reward/accuracy"]))
     if "after" in summary and steps:
         curve.append((steps[-1], tokens_at[steps[-1]], summary["after"]["accuracy"]))
+    # the training batches' accuracy (sampled at the rollout temperature, every step, the same
+    # prompts for every arm of a seed): finer-grained than the held-out curve, noisier
+    train_curve = [(s, tokens_at[s], rows[s]["reward/accuracy"]) for s in steps if "reward/accuracy" in rows[s]]
     grad = [rows[s]["actor/grad_norm"] for s in steps if math.isfinite(rows[s].get("actor/grad_norm", math.nan))]
     walls = json.loads((d / "wall.json").read_text()) if (d / "wall.json").is_file() else []
     before, after = summary.get("before", {}), summary.get("after", {})
@@ -192,6 +195,8 @@ def read_run(d: Path) -> dict[str, Any] | None:
     mean = lambda key: statistics.fmean(rows[s][key] for s in steps if key in rows[s]) if steps else math.nan  # noqa: E731
     return {
         "curve": curve,
+        "train_curve": train_curve,
+        "train_accuracy_mean": statistics.fmean(a for _, _, a in train_curve) if train_curve else math.nan,
         "steps": len(steps),
         "sampled_tokens": cum_sampled,
         "tool_tokens": cum_tool,
@@ -262,18 +267,15 @@ def summarize(out: Path, tasks, arms, seeds) -> dict[str, Any]:
                     runs.setdefault(arm.name, {})[seed] = r
         if not runs:
             continue
-        # the equal-token budget: what the n=4 arms (at the default learning rate) spend, median
+        # the equal-token budget: the least any n=4 run (at the default learning rate) spent, so every
+        # n=4 run covers it
         n4 = [
             r["sampled_tokens"]
             for a, rs in runs.items()
             for r in rs.values()
             if ARMS[a].n == 4 and ARMS[a].lr_scale == 1
         ]
-        budget = (
-            statistics.median(n4)
-            if n4
-            else statistics.median(r["sampled_tokens"] for rs in runs.values() for r in rs.values())
-        )
+        budget = min(n4) if n4 else min(r["sampled_tokens"] for rs in runs.values() for r in rs.values())
         target_runs = runs.get("grpo_n16") or {}
         target = mean_ci([r["after"] for r in target_runs.values()])[0] if target_runs else math.nan
         arm_rows = {}
@@ -285,6 +287,10 @@ def summarize(out: Path, tasks, arms, seeds) -> dict[str, Any]:
                 "before": mean_ci([r["before"] for r in vals]),
                 "after": mean_ci([r["after"] for r in vals]),
                 "at_budget": mean_ci([accuracy_at_tokens(r["curve"], budget) for r in vals]),
+                "train_accuracy_mean": mean_ci([r["train_accuracy_mean"] for r in vals]),
+                "train_at_budget": mean_ci(
+                    [statistics.fmean(a for _, t, a in r["train_curve"] if t <= budget * (1 + 1e-9)) for r in vals]
+                ),
                 "tokens_to_target": mean_ci([tokens_to_reach(r["curve"], target) for r in vals])
                 if math.isfinite(target)
                 else (math.nan, math.nan, 0),
@@ -316,12 +322,16 @@ def tables(report: dict[str, Any]) -> str:
             f"### Task `{task}`",
             "",
             f"Held-out accuracy (greedy) mean ± 95 % CI over seeds. Equal tokens: each run's curve at "
-            f"{t['budget_tokens'] / 1e3:.0f}k sampled tokens (the n=4 arms' median spend). Target: GRPO "
+            f"{t['budget_tokens'] / 1e3:.0f}k sampled tokens (the least any n=4 run spent). Target: GRPO "
             f"n=16's final accuracy ({t['target_accuracy']:.2f}).",
             "",
+            "Train accuracy: the training batches' accuracy (sampled), mean over all steps, and over the "
+            "steps within the equal-token budget.",
+            "",
             "| arm | seeds | before | after (equal steps) | at equal tokens | tokens to target (reached) "
+            "| train acc: all steps | train acc: equal tokens "
             "| sampled tokens | tool tokens | wall s | grad-norm max (max/median) | clip frac | entropy | collapsed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for a in t["arms"].values():
             k = len(a["seeds"])
@@ -334,6 +344,8 @@ def tables(report: dict[str, Any]) -> str:
                 f"{_fmt_tokens(*a['tokens_to_target'])} ({a['reached_target']}/{k})"
                 if math.isfinite(t["target_accuracy"])
                 else "– (no GRPO n=16 arm)",
+                _fmt(*a["train_accuracy_mean"]),
+                _fmt(*a["train_at_budget"]),
                 _fmt_tokens(*a["sampled_tokens"]),
                 _fmt_tokens(*a["tool_tokens"]),
                 _fmt(*a["wall_s"], digits=0),
@@ -348,7 +360,8 @@ def tables(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Accuracy vs sampled tokens, one line per arm (mean over seeds, 95 % CI band), one panel per task."""
+    """Accuracy vs sampled tokens, one line per arm (mean over seeds, 95 % CI band): held-out (top)
+    and training batches (bottom), one column per task."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,10 +369,16 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     import numpy as np
 
     tasks = list(report)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    fig, axes = plt.subplots(2, len(tasks), figsize=(6.5 * len(tasks), 8.5), squeeze=False)
+    panels = [(0, "curve", "held-out accuracy (greedy)"), (1, "train_curve", "training-batch accuracy (sampled)")]
+    for (row, key, ylabel), (col, task) in ((p, t) for p in panels for t in enumerate(tasks)):
+        ax = axes[row][col]
         for name, a in report[task]["arms"].items():
-            curves = [r["curve"] for r in a["runs"].values()]
+            curves = [r[key] for r in a["runs"].values()]
+            if key == "train_curve":  # from the first step's tokens on
+                curves = [[(0, 0.0, c[0][2])] + c for c in curves if c]
+            if not curves:
+                continue
             end = min(c[-1][1] for c in curves)
             if end <= 0:
                 continue
@@ -373,7 +392,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                 ax.fill_between(grid / 1e3, mean - half, mean + half, color=line.get_color(), alpha=0.15)
         ax.set_title(f"task: {task}")
         ax.set_xlabel("sampled tokens (thousands)")
-        ax.set_ylabel("held-out accuracy (greedy)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

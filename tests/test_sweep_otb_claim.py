@@ -87,6 +87,8 @@ def test_quick_sweep_runs_each_arm_writes_its_report_and_resumes(tmp_path, tiny_
         run = arm["runs"]["0"]
         assert [p[0] for p in run["curve"]] == [0, 1, 2]  # before, eval.every=1, after
         assert run["sampled_tokens"] > 0 and run["tool_tokens"] >= 0 and run["steps"] == 2
+        assert [p[0] for p in run["train_curve"]] == [1, 2]  # the training batches' accuracy, every step
+        assert run["train_curve"][-1][1] == run["sampled_tokens"]
         cfg = (out / "chain" / name / "seed0" / "sweep.log").read_text().splitlines()[0]
         assert "data.task=chain" in cfg and "eval.every=1" in cfg
         assert ("algorithm.filter.void_turns=true" in cfg) == (name == "tir_otb_n4_void")
