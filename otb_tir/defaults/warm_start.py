@@ -12,6 +12,10 @@ same schemas an episode puts in the system prompt). A :class:`TraceMixture` sets
 * calls the calculator with a corrupted expression (``wrong_tool``: one digit of the expression
   changed) and boxes the wrong result the tool returns.
 
+For the chain task (``data.task=chain``, two dependent steps) a ``tool`` trace makes one
+calculator call per step, the second on the first call's output, and ``stop_early`` boxes the
+first step's result instead; :func:`task_warm_start` builds that policy from the arith one.
+
 The mixture deliberately leaves the policy *inconsistent* at using tools, so that RL has room to
 improve it. :func:`warm_start_policy` trains briefly on CPU, in two phases (``copy_steps`` on the
 tool-call traces only, where the policy learns to copy the question into its calls, then
