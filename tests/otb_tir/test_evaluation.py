@@ -396,3 +396,24 @@ def test_uninstalled_engine_is_a_config_error_naming_the_install(engine, module,
     cfg = load_eval_config(DEFAULT_CONFIG, [f"rollout.name={engine}", f"model.path={tiny_model_dir}"])
     with pytest.raises(ConfigError, match="pip install"):
         build_engine(cfg, tiny_model_dir, None)
+
+
+def test_data_task_selects_the_built_in_held_out_split_as_training_does():
+    """`data.task=chain` evaluates on the chain task's held-out split: the same problems training's
+    `data.task=chain` holds out (its val set); an unknown task stops at load with the choices."""
+    from agent_env.math_task.data import make_split
+    from otb_tir.evaluation.run import _load_items
+    from otb_tir.trainer.config import load_config
+    from otb_tir.trainer.run import load_items
+
+    items, desc = _load_items(load_eval_config(DEFAULT_CONFIG, ["data.task=chain", "data.size=20"]))
+    assert "chain" in desc and {i["data_source"] for i in items} == {"otb_tir/chain"}
+    assert items == make_split("test", 20, seed=0, task="chain")
+    _, val = load_items(load_config(None, ["data.task=chain", "data.val_size=20", "eval.size=20", "data.train_size=8"]))
+    assert val == items
+    arith, _ = _load_items(load_eval_config(DEFAULT_CONFIG, ["data.size=20"]))
+    assert {i["data_source"] for i in arith} == {"otb_tir/arith"}
+    with pytest.raises(ConfigError, match="chain"):
+        load_eval_config(DEFAULT_CONFIG, ["data.task=chains"])
+    with pytest.raises(ConfigError, match="chain"):
+        load_config(None, ["data.task=chains"])
