@@ -20,7 +20,8 @@ steps), sampled and tool tokens, wall time, gradient norm (max and median), clip
 entropy; per arm, mean ± 95 % CI across seeds (Student t) at **equal steps** (the last) and at
 **equal sampled tokens** (each run's curve interpolated at the least any n=4 run spent), and the
 tokens each arm needs to reach the GRPO n=16 arm's final accuracy. A run *collapsed* when its
-held-out accuracy ends more than 0.05 below where it started or its tool-call rate halves.
+held-out accuracy ends more than 0.2 below its own peak (the start included) or its tool-call
+rate halves.
 """
 
 from __future__ import annotations
@@ -187,10 +188,11 @@ def read_run(d: Path) -> dict[str, Any] | None:
     grad = [rows[s]["actor/grad_norm"] for s in steps if math.isfinite(rows[s].get("actor/grad_norm", math.nan))]
     walls = json.loads((d / "wall.json").read_text()) if (d / "wall.json").is_file() else []
     before, after = summary.get("before", {}), summary.get("after", {})
+    peak = max((a for _, _, a in curve), default=math.nan)
     collapsed = bool(
         before
         and after
-        and (after["accuracy"] < before["accuracy"] - 0.05 or after["tool_call_rate"] < 0.5 * before["tool_call_rate"])
+        and (after["accuracy"] < peak - 0.2 or after["tool_call_rate"] < 0.5 * before["tool_call_rate"])
     )
     mean = lambda key: statistics.fmean(rows[s][key] for s in steps if key in rows[s]) if steps else math.nan  # noqa: E731
     return {
@@ -209,6 +211,9 @@ def read_run(d: Path) -> dict[str, Any] | None:
         "after": after.get("accuracy", math.nan),
         "tool_call_rate_before": before.get("tool_call_rate", math.nan),
         "tool_call_rate_after": after.get("tool_call_rate", math.nan),
+        "peak": peak,
+        "drop_from_peak": peak - after.get("accuracy", math.nan),
+        "void_turn_rate": mean("episode/void_turn_rate"),
         "collapsed": collapsed,
     }
 
@@ -308,6 +313,9 @@ def summarize(out: Path, tasks, arms, seeds) -> dict[str, Any]:
                 else math.nan,
                 "clip_frac": mean_ci([r["clip_frac"] for r in vals]),
                 "entropy": mean_ci([r["entropy"] for r in vals]),
+                "peak": mean_ci([r["peak"] for r in vals]),
+                "drop_from_peak": max(r["drop_from_peak"] for r in vals),
+                "void_turn_rate": mean_ci([r["void_turn_rate"] for r in vals]),
                 "collapsed": sum(r["collapsed"] for r in vals),
                 "runs": rs,
             }
@@ -330,8 +338,9 @@ def tables(report: dict[str, Any]) -> str:
             "",
             "| arm | seeds | before | after (equal steps) | at equal tokens | tokens to target (reached) "
             "| train acc: all steps | train acc: equal tokens "
-            "| sampled tokens | tool tokens | wall s | grad-norm max (max/median) | clip frac | entropy | collapsed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| sampled tokens | tool tokens | wall s | grad-norm max (max/median) | clip frac | entropy "
+            "| void-turn rate | peak (largest drop to the end) | collapsed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for a in t["arms"].values():
             k = len(a["seeds"])
@@ -352,6 +361,8 @@ def tables(report: dict[str, Any]) -> str:
                 f"{a['grad_norm_max']:.2f} ({a['grad_norm_max_over_median']:.1f}×)",
                 _fmt(*a["clip_frac"], digits=3),
                 _fmt(*a["entropy"]),
+                _fmt(*a["void_turn_rate"], digits=3),
+                f"{_fmt(*a['peak'])} ({a['drop_from_peak']:.2f})",
                 f"{a['collapsed']}/{k}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
