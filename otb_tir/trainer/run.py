@@ -32,9 +32,8 @@ def load_items(cfg) -> tuple[list[dict], list[dict]]:
     if cfg.data.val_files:
         val = [row for f in cfg.data.val_files for row in load_parquet(f)]
     else:
-        val = make_split(
-            "test", cfg.data.val_size, seed=0, task=cfg.data.task
-        )  # the held-out set does not move with the seed
+        # the held-out set does not move with the seed
+        val = make_split("test", cfg.data.val_size, seed=0, task=cfg.data.task)
     return train, val[: cfg.eval.size] if cfg.eval.size else val
 
 
