@@ -238,6 +238,11 @@ def tokens_to_reach(curve: list[tuple[int, float, float]], target: float) -> flo
     return math.nan
 
 
+def _mean_or_nan(values) -> float:
+    vals = list(values)
+    return statistics.fmean(vals) if vals else math.nan
+
+
 def mean_ci(values: list[float]) -> tuple[float, float, int]:
     """Mean, 95 % CI half-width (Student t; 0 for one value) and count, NaNs dropped."""
     vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
@@ -293,8 +298,9 @@ def summarize(out: Path, tasks, arms, seeds) -> dict[str, Any]:
                 "after": mean_ci([r["after"] for r in vals]),
                 "at_budget": mean_ci([accuracy_at_tokens(r["curve"], budget) for r in vals]),
                 "train_accuracy_mean": mean_ci([r["train_accuracy_mean"] for r in vals]),
+                # NaN for a run whose first step already spends more than the budget (n=16 in --quick)
                 "train_at_budget": mean_ci(
-                    [statistics.fmean(a for _, t, a in r["train_curve"] if t <= budget * (1 + 1e-9)) for r in vals]
+                    [_mean_or_nan(a for _, t, a in r["train_curve"] if t <= budget * (1 + 1e-9)) for r in vals]
                 ),
                 "tokens_to_target": mean_ci([tokens_to_reach(r["curve"], target) for r in vals])
                 if math.isfinite(target)
