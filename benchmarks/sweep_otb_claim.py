@@ -160,6 +160,11 @@ def run_one(out: Path, task: str, arm: Arm, seed: int, settings: Settings, log) 
 # ----------------------------------------------------------------------------- reading runs
 
 
+def _mean_or_nan(values) -> float:
+    vals = list(values)
+    return statistics.fmean(vals) if vals else math.nan
+
+
 def read_run(d: Path) -> dict[str, Any] | None:
     """One finished run's figures: the held-out curve against steps and cumulative sampled tokens."""
     if not (d / "summary.json").is_file():
@@ -194,11 +199,11 @@ def read_run(d: Path) -> dict[str, Any] | None:
         and after
         and (after["accuracy"] < peak - 0.2 or after["tool_call_rate"] < 0.5 * before["tool_call_rate"])
     )
-    mean = lambda key: statistics.fmean(rows[s][key] for s in steps if key in rows[s]) if steps else math.nan  # noqa: E731
+    mean = lambda key: _mean_or_nan(rows[s][key] for s in steps if key in rows[s])  # noqa: E731
     return {
         "curve": curve,
         "train_curve": train_curve,
-        "train_accuracy_mean": statistics.fmean(a for _, _, a in train_curve) if train_curve else math.nan,
+        "train_accuracy_mean": _mean_or_nan(a for _, _, a in train_curve),
         "steps": len(steps),
         "sampled_tokens": cum_sampled,
         "tool_tokens": cum_tool,
@@ -236,11 +241,6 @@ def tokens_to_reach(curve: list[tuple[int, float, float]], target: float) -> flo
         if a >= target - 1e-9:
             return t
     return math.nan
-
-
-def _mean_or_nan(values) -> float:
-    vals = list(values)
-    return statistics.fmean(vals) if vals else math.nan
 
 
 def mean_ci(values: list[float]) -> tuple[float, float, int]:
