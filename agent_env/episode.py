@@ -303,9 +303,11 @@ class _Activity:
         self.gen = 0
         self.tool = 0
         self.last = time.perf_counter()
+        self.reward = 0
         self.waiting_on_tools = 0.0  # no generate in flight while some tool runs
         self.generating = 0.0
-        self.idle = 0.0
+        self.scoring = 0.0  # the reward function runs, no generate or tool in flight
+        self.idle = 0.0  # none of the above: parsing, templating, tokenizing, scheduling
 
     def _tick(self) -> None:
         now = time.perf_counter()
@@ -315,6 +317,8 @@ class _Activity:
             self.generating += dt
         elif self.tool > 0:
             self.waiting_on_tools += dt
+        elif self.reward > 0:
+            self.scoring += dt
         else:
             self.idle += dt
 
@@ -328,10 +332,11 @@ class _Activity:
 
     def summary(self) -> dict[str, float]:
         self._tick()
-        total = self.generating + self.waiting_on_tools + self.idle
+        total = self.generating + self.waiting_on_tools + self.scoring + self.idle
         return {
             "generating_s": self.generating,
             "waiting_on_tools_s": self.waiting_on_tools,
+            "scoring_s": self.scoring,
             "idle_s": self.idle,
             "gen_waited_on_tools_frac": self.waiting_on_tools / total if total > 0 else 0.0,
         }
@@ -688,7 +693,13 @@ class AgentEnv:
             sample_index=sample_index,
         )
         r0 = time.perf_counter()
-        self._score(traj)
+        if activity:
+            activity.enter("reward")
+        try:
+            self._score(traj)
+        finally:
+            if activity:
+                activity.leave("reward")
         timings["reward_s"] = time.perf_counter() - r0
         timings["wall_s"] = time.perf_counter() - t_start
         return traj

@@ -253,9 +253,11 @@ async def rollout_async(
     pad_id = env.tokenizer.pad_token_id
     if pad_id is None:
         pad_id = env.stop_ids[0]
+    c0 = time.perf_counter()
     batch = collate(
         trajs, pad_token_id=pad_id, response_length=env.config.response_length if pad_to == "budget" else None
     )
+    collate_s = time.perf_counter() - c0
     sampled = sum(sum(t.response_mask) for t in trajs)
     batch.stats = {
         "wall_s": wall,
@@ -266,6 +268,7 @@ async def rollout_async(
         "tool_calls": float(sum(t.num_tool_calls for t in trajs)),
         "malformed_calls": float(sum(t.malformed_calls for t in trajs)),
         "void_turn_episodes": float(sum(t.void_turns > 0 for t in trajs)),
+        "collate_s": collate_s,
         **activity.summary(),
     }
     return batch

@@ -43,22 +43,49 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def trim_padding(attention_mask: torch.Tensor, response_length: int) -> tuple[int, int]:
+    """Columns ``[lo, hi)`` of a ``[b, P+R]`` micro-batch outside which every row is padding.
+
+    Prompts are left-padded and responses right-padded, so the columns before the longest prompt
+    and after the longest response carry no token of any row. The response keeps at least one
+    column, the prompt at least one. Returns ``(lo, hi)``; the trimmed response length is
+    ``hi − P``.
+    """
+    total = attention_mask.shape[1]
+    prompt = total - response_length
+    used = attention_mask.bool().any(dim=0)
+    idx = used.nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return 0, total
+    lo = min(int(idx[0]), prompt - 1)
+    hi = max(int(idx[-1]) + 1, prompt + 1) if response_length else total
+    return lo, hi
+
+
 def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, grad: bool) -> TokenStats:
+    """Token statistics of micro-batch ``rows``, ``[b, R]`` each. The forward runs on the columns
+    that hold a token of some row (see :func:`trim_padding`); causal attention makes the trimmed
+    columns irrelevant to the others, and the stats of the trimmed response columns are 0."""
     resp_len = batch["responses"].shape[1]
     device = next(model.parameters()).device
+    attn = batch["attention_mask"][rows]
+    lo, hi = trim_padding(attn, resp_len)
+    r = resp_len - (attn.shape[1] - hi)
     args = (
-        batch["input_ids"][rows].to(device),
-        batch["attention_mask"][rows].to(device),
-        batch["position_ids"][rows].to(device),
+        batch["input_ids"][rows][:, lo:hi].to(device),
+        attn[:, lo:hi].to(device),
+        batch["position_ids"][rows][:, lo:hi].to(device),
     )
     with _autocast(device, s.autocast_dtype):
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
-            return TokenStats(
-                *model(*args, response_length=resp_len, temperature=s.temperature, fused=s.fused, chunk=s.chunk)
+            st = TokenStats(*model(*args, response_length=r, temperature=s.temperature, fused=s.fused, chunk=s.chunk))
+        else:
+            st = token_stats_for_causal_lm(
+                model, *args, response_length=r, temperature=s.temperature, fused=s.fused, chunk=s.chunk
             )
-        return token_stats_for_causal_lm(
-            model, *args, response_length=resp_len, temperature=s.temperature, fused=s.fused, chunk=s.chunk
-        )
+    if r == resp_len:
+        return st
+    return TokenStats(*(torch.nn.functional.pad(t, (0, resp_len - r)) for t in st))
 
 
 @torch.no_grad()

@@ -112,7 +112,7 @@ def _run_with_tools(cfg, info, reward_fn, tools, device, t_start: float, out: Pa
     from otb_tir.builders import episode_config
     from otb_tir.metrics import summary_figures
     from otb_tir.trainer.distributed import barrier, broadcast_object, fsdp_wrap, full_state_dict
-    from otb_tir.trainer.trainer import Trainer
+    from otb_tir.trainer.trainer import Trainer, format_step_time, step_time_summary
 
     rank, world = info.rank, info.world_size
     path = policy_path(cfg) if rank == 0 else None
@@ -198,7 +198,11 @@ def _run_with_tools(cfg, info, reward_fn, tools, device, t_start: float, out: Pa
             if rank == 0:
                 before_file.write_text(json.dumps(summary["before"]))
             log.info("before training: %s", summary["before"])
+        t_fit = time.perf_counter()
         trainer.fit()
+        summary["timing"] = step_time_summary(trainer.timing_totals, time.perf_counter() - t_fit)
+        if rank == 0:
+            log.info("where the training loop's time went:\n%s", format_step_time(summary["timing"]))
         if cfg.eval.after:
             _, trajs = trainer.evaluate(tag="val")
             summary["after"] = summary_figures(trajs)

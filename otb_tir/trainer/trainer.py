@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -69,6 +69,67 @@ def filter_loss_mask(batch: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[str, 
         keep &= (rmax > rmin)[inv_t]
     mask *= keep[:, None].float()
     return mask, {"filter/kept_frac": float(keep.float().mean())}
+
+
+# The disjoint phases of one training iteration, in order. The first five split timing/rollout_s:
+# generating (some generate call in flight), waiting on tools (no generate, some tool call in
+# flight), reward scoring (neither, the reward function runs), the rest of the episodes' host work
+# (parsing, chat templates, tokenizing, scheduling) and padding the batch (collate). Then the
+# old log-prob pass (log-prob, entropy and Σπ² together), the reference model, the advantage
+# (reward placement, IS weights, estimator, filters), the PPO update, the weight sync, the step's
+# metrics, what lies between those timers (timing/step_other_s), the held-out evaluation, and
+# after the row is complete, writing it and the checkpoint.
+STEP_PHASES = (
+    "timing/gen_s",
+    "timing/tool_wait_s",
+    "timing/reward_s",
+    "timing/rollout_other_s",
+    "timing/collate_s",
+    "timing/old_log_prob_s",
+    "timing/ref_s",
+    "timing/advantage_s",
+    "timing/update_s",
+    "timing/weight_sync_s",
+    "timing/metrics_s",
+    "timing/step_other_s",
+    "timing/eval_s",
+)
+AFTER_ROW_PHASES = ("timing/log_s", "timing/checkpoint_s")
+
+
+def rollout_phases(stats: Mapping[str, float], rollout_s: float) -> dict[str, float]:
+    """Split a rollout's wall time into the first five of :data:`STEP_PHASES` (they sum to it)."""
+    parts = {
+        "timing/gen_s": float(stats.get("generating_s", 0.0)),
+        "timing/tool_wait_s": float(stats.get("waiting_on_tools_s", 0.0)),
+        "timing/reward_s": float(stats.get("scoring_s", 0.0)),
+        "timing/collate_s": float(stats.get("collate_s", 0.0)),
+    }
+    parts["timing/rollout_other_s"] = max(rollout_s - sum(parts.values()), 0.0)
+    return parts
+
+
+def step_time_summary(totals: Mapping[str, float], fit_s: float) -> dict[str, Any]:
+    """Seconds and share of the training loop per phase; ``unattributed_s`` is what no timer saw."""
+    phases = {k.removeprefix("timing/").removesuffix("_s"): float(totals.get(k, 0.0)) for k in STEP_PHASES}
+    phases.update({k.removeprefix("timing/").removesuffix("_s"): float(totals.get(k, 0.0)) for k in AFTER_ROW_PHASES})
+    attributed = sum(phases.values())
+    return {
+        "fit_s": fit_s,
+        "phases_s": phases,
+        "shares": {k: v / fit_s if fit_s > 0 else 0.0 for k, v in phases.items()},
+        "unattributed_s": fit_s - attributed,
+    }
+
+
+def format_step_time(summary: Mapping[str, Any]) -> str:
+    """:func:`step_time_summary` as an aligned text table, largest phase first."""
+    rows = sorted(summary["phases_s"].items(), key=lambda kv: -kv[1])
+    fit = summary["fit_s"]
+    lines = [f"  {name:<14} {sec:9.2f} s {100 * sec / fit if fit > 0 else 0.0:6.1f} %" for name, sec in rows if sec > 0]
+    lines.append(f"  {'(unattributed)':<14} {summary['unattributed_s']:9.2f} s")
+    lines.append(f"  {'training loop':<14} {fit:9.2f} s")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -144,6 +205,7 @@ class Trainer:
             else None
         )
         self.step = 0
+        self.timing_totals: dict[str, float] = {}  # seconds per phase over this process's fit()
 
     # ------------------------------------------------------------------ rollout
 
@@ -193,15 +255,18 @@ class Trainer:
         self.model.eval()
         batch = self._rollout(items, cfg.rollout.n, seed=cfg.trainer.seed * 1_000_003 + self.step, offset=offset)
         timing["timing/rollout_s"] = time.perf_counter() - t0
+        timing.update(rollout_phases(batch.stats, timing["timing/rollout_s"]))
 
         t1 = time.perf_counter()
         tensors = dict(batch.tensors)
         stats = compute_old_stats(self.model, tensors, self.actor)
         tensors.update(stats)
+        timing["timing/old_log_prob_s"] = time.perf_counter() - t1  # log-prob, entropy and Σπ², one pass
         ref = None
+        t1 = time.perf_counter()
         if self.ref_model is not None and self.actor.kl_coef > 0:
             ref = compute_old_stats(self.ref_model, tensors, self.actor)["old_log_probs"]
-        timing["timing/old_log_prob_s"] = time.perf_counter() - t1
+        timing["timing/ref_s"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
         mask = tensors["response_mask"].float()
@@ -243,6 +308,8 @@ class Trainer:
         self._sync_weights()
         timing["timing/weight_sync_s"] = time.perf_counter() - t4
 
+        t5 = time.perf_counter()
+
         # metrics over all ranks' rows (rank order = the one-process row order)
         trajs = gather_objects(batch.trajectories, self.world)
         local = {
@@ -275,8 +342,19 @@ class Trainer:
         # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)
         metrics["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
         metrics["rollout/tool_tokens"] = float(sum(len(t.response_ids) - sum(t.response_mask) for t in trajs))
+        # tokens through the actor's forward passes (prompt + response, padding excluded), all ranks
+        real = float(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+        padded = float(tensors["attention_mask"].numel() * self.world)
+        metrics["perf/pad_frac"] = 1.0 - real / padded if padded else 0.0
+        metrics["perf/rollout_sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(
+            timing["timing/rollout_s"], 1e-9
+        )
+        metrics["perf/update_tokens_per_s"] = real * cfg.actor.ppo_epochs / max(timing["timing/update_s"], 1e-9)
         metrics.update(timing)
+        metrics["timing/metrics_s"] = time.perf_counter() - t5
         metrics["timing/step_s"] = time.perf_counter() - t0
+        inner = [k for k in STEP_PHASES if k in metrics and k != "timing/eval_s"]
+        metrics["timing/step_other_s"] = max(metrics["timing/step_s"] - sum(metrics[k] for k in inner), 0.0)
         return StepResult(metrics, batch)
 
     def _sync_weights(self) -> None:
@@ -349,12 +427,19 @@ class Trainer:
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, desc="train", unit="step", disable=not progress or self.rank != 0)
         every = self.cfg.eval.every
+        # Writing a row and saving a checkpoint happen after the row is complete: their seconds go
+        # into the next row (timing/prev_log_s, timing/prev_checkpoint_s) and into self.timing_totals.
+        prev = {"timing/prev_log_s": 0.0, "timing/prev_checkpoint_s": 0.0}
         while self.step < total:
             res = self.train_step()
             self.step += 1
+            t_eval = time.perf_counter()
             if every and self.step % every == 0 and self.step < total:  # the last step: run.py's `after`
                 res.metrics.update(self.evaluate(tag="val")[0])  # the held-out curve, val/* in this row
+            res.metrics["timing/eval_s"] = time.perf_counter() - t_eval
+            res.metrics.update(prev)
             history.append(res.metrics)
+            t_log = time.perf_counter()
             if self.logger is not None:
                 self.logger.log(res.metrics, self.step)
             bar.set_postfix(
@@ -362,10 +447,20 @@ class Trainer:
                 tools=f"{res.metrics.get('tools/call_rate', float('nan')):.2f}",
             )
             bar.update(1)
+            t_save = time.perf_counter()
             if self.cfg.trainer.save_every and (self.step % self.cfg.trainer.save_every == 0 or self.step == total):
                 self.save()
+            prev = {"timing/prev_log_s": t_save - t_log, "timing/prev_checkpoint_s": time.perf_counter() - t_save}
+            self._add_timing(res.metrics, prev)
         bar.close()
         return history
+
+    def _add_timing(self, row: Mapping[str, Any], after: Mapping[str, float]) -> None:
+        """Run totals of the step phases (a row's own phases, then its log and checkpoint)."""
+        for key in STEP_PHASES:
+            self.timing_totals[key] = self.timing_totals.get(key, 0.0) + float(row.get(key, 0.0))
+        for key, src in zip(AFTER_ROW_PHASES, ("timing/prev_log_s", "timing/prev_checkpoint_s")):
+            self.timing_totals[key] = self.timing_totals.get(key, 0.0) + after[src]
 
     def save(self) -> None:
         root, keep = self.out / "checkpoints", self.cfg.trainer.keep_checkpoints

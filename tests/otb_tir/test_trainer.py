@@ -193,3 +193,71 @@ def test_sigkill_then_resume_loses_no_step(tmp_path, tiny_model_dir):
     assert steps == [1, 2, 3]
     assert (out / "checkpoints" / "step_3" / "state.pt").is_file()
     assert (out / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_factory, tiny_tokenizer):
+    """Each row names the disjoint phases of its step; the rollout's five parts add up to the
+    rollout, the step's parts to the step, and the run totals to the rows (plus log/checkpoint)."""
+    from otb_tir.trainer.trainer import AFTER_ROW_PHASES, STEP_PHASES, step_time_summary
+
+    tr = _trainer(tmp_path, tiny_model_factory, tiny_tokenizer, ["trainer.total_steps=2", "trainer.save_every=1"])
+    rows = tr.fit(progress=False)
+    assert len(rows) == 2
+    rollout_parts = STEP_PHASES[:5]
+    for m in rows:
+        for key in STEP_PHASES + ("timing/prev_log_s", "timing/prev_checkpoint_s"):
+            assert key in m and m[key] >= 0.0, key
+        assert sum(m[k] for k in rollout_parts) == pytest.approx(m["timing/rollout_s"], abs=1e-6)
+        assert m["timing/gen_s"] > 0  # the tiny model generated every turn of this step
+        inner = [k for k in STEP_PHASES if k not in rollout_parts and k != "timing/eval_s"]
+        assert sum(m[k] for k in inner) + m["timing/rollout_s"] == pytest.approx(m["timing/step_s"], abs=1e-6)
+        assert 0.0 <= m["perf/pad_frac"] < 1.0 and m["perf/update_tokens_per_s"] > 0
+    # step 1's checkpoint was written after its row: its seconds are in row 2
+    assert rows[0]["timing/prev_checkpoint_s"] == 0.0 and rows[1]["timing/prev_checkpoint_s"] > 0
+    for key in STEP_PHASES:
+        assert tr.timing_totals[key] == pytest.approx(sum(m[key] for m in rows))
+    assert set(AFTER_ROW_PHASES) <= set(tr.timing_totals) and tr.timing_totals["timing/checkpoint_s"] > 0
+    s = step_time_summary(tr.timing_totals, fit_s=sum(tr.timing_totals.values()) + 1.0)
+    assert s["unattributed_s"] == pytest.approx(1.0) and set(s["phases_s"]) >= {"gen", "update", "checkpoint"}
+    asyncio_close(tr)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_padding_trim_gives_the_untrimmed_stats_and_gradients(tiny_model_factory, seed):
+    """The actor's forward on the micro-batch's used columns equals the full padded forward:
+    same log-prob, entropy and Σπ² on every response token (0 beyond the trimmed end), and the
+    same gradient of a loss on them."""
+    from otb_tir.token_stats import token_stats_for_causal_lm
+    from otb_tir.trainer.actor import ActorSettings, _stats, trim_padding
+
+    g = torch.Generator().manual_seed(seed)
+    P, R, b = 12, 20, 5
+    plen = torch.randint(1, P + 1, (b,), generator=g)
+    rlen = torch.randint(0, R - 4, (b,), generator=g)  # the last 4+ response columns are all padding
+    plen[0] = P - 3  # and the first 3 prompt columns too
+    plen[1:] = torch.clamp(plen[1:], max=P - 3)
+    ids = torch.randint(3, 500, (b, P + R), generator=g)
+    attn = torch.zeros(b, P + R, dtype=torch.long)
+    for i in range(b):
+        attn[i, P - plen[i] : P + rlen[i]] = 1
+    ids = ids * attn  # pad id 0
+    pos = torch.clamp(torch.cumsum(attn, 1) - 1, min=0)
+    batch = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, P:]}
+    lo, hi = trim_padding(attn, R)
+    assert lo == 3 and hi == P + int(rlen.max())
+    model = tiny_model_factory()
+    s = ActorSettings()
+    rows = slice(0, b)
+    trimmed = _stats(model, batch, rows, s, grad=True)
+    full = token_stats_for_causal_lm(model, ids, attn, pos, response_length=R)
+    rmask = attn[:, P:].bool()
+    for a, f in zip(trimmed, full):
+        assert a.shape == (b, R)
+        torch.testing.assert_close(a[rmask], f[rmask], atol=2e-5, rtol=1e-5)
+        assert torch.all(a[:, hi - P :] == 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ga = torch.autograd.grad((trimmed.log_probs * rmask).sum(), params)
+    gf = torch.autograd.grad((full.log_probs * rmask).sum(), params)
+    for x, y in zip(ga, gf):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)

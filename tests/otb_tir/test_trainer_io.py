@@ -76,3 +76,30 @@ def test_incomplete_checkpoint_is_ignored(tmp_path):
     step, state = load_latest(tmp_path)
     assert step == 1 and state["x"] == 1
     assert load_latest(tmp_path / "missing") is None
+
+
+def test_curves_png_is_redrawn_within_its_time_budget(tmp_path, monkeypatch):
+    """Default schedule: drawn at step 1, then only once the wait exceeds the last draw's cost / budget."""
+    import otb_tir.trainer.logging as lg_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(lg_mod.time, "perf_counter", lambda: clock[0])
+    lg = MetricsLogger(tmp_path, loggers=["jsonl"], plot_budget=0.1)
+    drawn = []
+
+    def fake_plot(path=None):  # a draw that takes 2 s of the fake clock
+        drawn.append(lg.history[-1]["step"])
+        clock[0] += 2.0
+        lg._last_plot = (clock[0], 2.0)
+
+    monkeypatch.setattr(lg, "plot", fake_plot)
+    for step in range(1, 8):
+        lg.log({"reward/mean": step}, step)
+        clock[0] += 5.0  # a 5 s step
+    # 2 s / 0.1 = 20 s between draws: step 1, then the first step ≥ 20 s after it ended
+    assert drawn == [1, 5]
+    lg2 = MetricsLogger(tmp_path / "b", loggers=["jsonl"], plot_every=2)
+    monkeypatch.setattr(lg2, "plot", lambda path=None: drawn.append(("every", lg2.history[-1]["step"])))
+    for step in range(1, 5):
+        lg2.log({"reward/mean": step}, step)
+    assert drawn[2:] == [("every", 2), ("every", 4)]
