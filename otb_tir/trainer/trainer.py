@@ -109,10 +109,14 @@ def rollout_phases(stats: Mapping[str, float], rollout_s: float) -> dict[str, fl
     return parts
 
 
+def phase_name(key: str) -> str:
+    """``timing/update_s`` → ``update``: a phase's name in summaries and tables."""
+    return key.removeprefix("timing/").removesuffix("_s")
+
+
 def step_time_summary(totals: Mapping[str, float], fit_s: float) -> dict[str, Any]:
     """Seconds and share of the training loop per phase; ``unattributed_s`` is what no timer saw."""
-    phases = {k.removeprefix("timing/").removesuffix("_s"): float(totals.get(k, 0.0)) for k in STEP_PHASES}
-    phases.update({k.removeprefix("timing/").removesuffix("_s"): float(totals.get(k, 0.0)) for k in AFTER_ROW_PHASES})
+    phases = {phase_name(k): float(totals.get(k, 0.0)) for k in STEP_PHASES + AFTER_ROW_PHASES}
     attributed = sum(phases.values())
     return {
         "fit_s": fit_s,
