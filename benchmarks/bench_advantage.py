@@ -3,15 +3,17 @@
     python benchmarks/bench_advantage.py            # [B=1024, R=8192], 3 tool segments per row, groups of 8
     python benchmarks/bench_advantage.py --small    # [B=64, R=1024], a few seconds
 
-Prints the time of ours and of verl's for both variants, the time to merely copy the inputs
-(clone of rewards, mask, old log-probs and Σπ²: the memory-bound floor), and the ratios, all
-measured in this one run. It also checks that our outputs equal verl's (max abs diff ≤ 1e-6)
-and exits non-zero if they do not.
+Prints, for both variants, the time of ours (the fused CPU kernel, ``otb_tir/fused_otb.c``), of
+our plain PyTorch path (``OTB_TIR_FUSED=0``: the reference, and the path GPUs take) and of verl's,
+the time to merely copy the inputs (clone of rewards, mask, old log-probs and Σπ²: the
+memory-bound floor), and the ratios, all measured in this one run. It also checks that both of
+our paths equal verl's (max abs diff ≤ 1e-6; 0 means bit-identical) and exits non-zero if not.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -73,6 +75,7 @@ def main() -> int:
     batch = args.batch or (64 if args.small else 1024)
     resp = args.resp or (1024 if args.small else 8192)
 
+    from otb_tir import fused
     from otb_tir.advantage import optimal_token_baseline, tir_optimal_token_baseline
 
     try:
@@ -87,6 +90,8 @@ def main() -> int:
         f"[B={batch}, R={resp}] groups of {args.group_size}, {args.tool_segments} tool segments per row, "
         f"{policy_frac:.0%} policy tokens, torch threads={torch.get_num_threads()}"
     )
+    if not fused.fused_available():
+        print("the fused kernel is not available (see the warning above): 'ours' is the PyTorch path")
     tensors = [data[k] for k in ("token_level_rewards", "response_mask", "old_log_probs", "sum_pi_squared")]
     t_copy, c_copy = timeit(lambda: [t.clone() for t in tensors], args.reps)
     print(f"copy the inputs (floor): wall {t_copy * 1e3:8.1f} ms  cpu {c_copy * 1e3:8.1f} ms")
@@ -97,6 +102,10 @@ def main() -> int:
         ("dense OTB", optimal_token_baseline, core_algos.compute_optimal_token_baseline_advantage),
     ):
         t_ours, c_ours = timeit(lambda ours=ours: ours(**data), args.reps)
+        os.environ["OTB_TIR_FUSED"] = "0"
+        t_pt, c_pt = timeit(lambda ours=ours: ours(**data), args.reps)
+        pt_adv, pt_ret = ours(**data)
+        del os.environ["OTB_TIR_FUSED"]
         w0, c0 = time.perf_counter(), time.process_time()
         ref_adv, ref_ret = ref(**data)
         t_ref, c_ref = time.perf_counter() - w0, time.process_time() - c0
@@ -109,13 +118,16 @@ def main() -> int:
         t_floor, c_floor = min(t_copy, t_copy2), min(c_copy, c_copy2)
         adv, ret = ours(**data)
         diff = max((adv - ref_adv).abs().max().item(), (ret - ref_ret).abs().max().item())
-        ok &= diff <= 1e-6
+        diff_pt = max((pt_adv - ref_adv).abs().max().item(), (pt_ret - ref_ret).abs().max().item())
+        ok &= diff <= 1e-6 and diff_pt <= 1e-6
         print(
-            f"{name:9s}: ours wall {t_ours * 1e3:8.1f} ms (cpu {c_ours * 1e3:8.1f}) | "
-            f"verl wall {t_ref * 1e3:9.1f} ms (cpu {c_ref * 1e3:9.1f}) | "
-            f"speed-up vs verl {t_ref / t_ours:6.1f}x (cpu {c_ref / c_ours:6.1f}x) | "
-            f"ours / copy floor {t_ours / t_floor:5.2f}x (cpu {c_ours / c_floor:5.2f}x) | "
-            f"max |ours - verl| = {diff:.2e}"
+            f"{name:9s}: ours wall {t_ours * 1e3:7.1f} ms (cpu {c_ours * 1e3:7.1f}) | "
+            f"PyTorch path {t_pt * 1e3:7.1f} ms (cpu {c_pt * 1e3:7.1f}) | "
+            f"verl wall {t_ref * 1e3:8.1f} ms (cpu {c_ref * 1e3:8.1f}) | "
+            f"ours / copy floor {t_ours / t_floor:5.2f}x (cpu {c_ours / c_floor:5.2f}x), "
+            f"PyTorch path {t_pt / t_floor:5.2f}x | "
+            f"speed-up vs verl {t_ref / t_ours:5.1f}x | "
+            f"max |ours - verl| = {diff:.2e}, PyTorch path {diff_pt:.2e}"
         )
     if not ok:
         print("MISMATCH: our outputs differ from verl's by more than 1e-6", file=sys.stderr)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from otb_tir import ConfigError
+from otb_tir import ConfigError, fused
 from otb_tir.layout import mask_in_unit_interval, policy_counts_into
 
 logger = logging.getLogger(__name__)
@@ -259,6 +259,42 @@ def _finish(returns: torch.Tensor, baselines: torch.Tensor, maskf: torch.Tensor,
     return advantages.to(out_dtype), returns.to(out_dtype)
 
 
+def _fused_or_none(
+    tir: bool,
+    token_level_rewards: torch.Tensor,
+    maskf: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+    group: torch.Tensor,
+    n_groups: int,
+    handle_zero_tail: bool,
+    epsilon: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused CPU kernel's result (:mod:`otb_tir.fused`) where it applies, else ``None``.
+
+    It applies on CPU when the compute dtype is float32 (float32 or half-precision inputs) and the
+    kernel is built; it computes in the same floating-point order as the PyTorch code below.
+    """
+    if maskf.device.type != "cpu" or maskf.dtype != torch.float32 or not fused.fused_available():
+        return None
+    f32 = torch.float32
+    adv, ret = fused.fused_otb(
+        token_level_rewards.to(f32),
+        maskf,
+        old_log_probs.to(f32),
+        sum_pi_squared.to(f32),
+        rollout_is_weights.to(f32) if rollout_is_weights is not None else None,
+        group,
+        n_groups,
+        tir=tir,
+        handle_zero_tail=handle_zero_tail,
+        epsilon=epsilon,
+    )
+    return adv.to(out_dtype), ret.to(out_dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # estimators
 
@@ -297,6 +333,12 @@ def optimal_token_baseline(
     group, n_groups = _group_ids(index, batch, device)
     if token_level_rewards.numel() == 0:
         return _empty(token_level_rewards, out_dt)
+    done = _fused_or_none(
+        False, token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights,
+        group, n_groups, handle_zero_tail, epsilon, out_dt,
+    )  # fmt: skip
+    if done is not None:
+        return done
     returns, weights, scratch = _returns_and_weights(
         token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, cdt
     )
@@ -384,6 +426,12 @@ def tir_optimal_token_baseline(
     group, n_groups = _group_ids(index, batch, device)
     if token_level_rewards.numel() == 0:
         return _empty(token_level_rewards, out_dt)
+    done = _fused_or_none(
+        True, token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights,
+        group, n_groups, handle_zero_tail, epsilon, out_dt,
+    )  # fmt: skip
+    if done is not None:
+        return done
     returns, weights, scratch = _returns_and_weights(
         token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, cdt
     )

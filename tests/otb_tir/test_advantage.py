@@ -422,3 +422,113 @@ def test_otb_equals_verl_on_dense_gaussian_rewards(verl_algos, ours_name, verl_n
         ref_adv, ref_ret = getattr(verl_algos, verl_name)(rewards, mask, index, pi.log(), sp, rho)
         _assert_close(adv, ref_adv)
         _assert_close(ret, ref_ret)
+
+
+# --------------------------------------------------------------------------------------------
+# the fused CPU kernel (otb_tir/fused_otb.c) against the PyTorch estimators
+
+
+def _pytorch_path(name: str, data: dict, **kw):
+    """The estimator with the kernel turned off (``OTB_TIR_FUSED=0``): the PyTorch reference."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTB_TIR_FUSED", "0")
+        return get_estimator(name)(**data, **kw)
+
+
+@pytest.mark.parametrize("name", [p[0] for p in OTB_PAIRS])
+@SETTINGS
+@given(
+    data=batches(),
+    use_is=st.booleans(),
+    handle_zero_tail=st.booleans(),
+    mask_dtype=st.sampled_from([torch.float32, torch.bool, torch.int64]),
+)
+def test_fused_kernel_equals_the_pytorch_path(name, data, use_is, handle_zero_tail, mask_dtype):
+    from otb_tir import fused
+
+    assert fused.fused_available(), "the test machine has a C compiler: the kernel must build"
+    data = _with_options(data, use_is, mask_dtype)
+    ref_adv, ref_ret = _pytorch_path(name, data, handle_zero_tail=handle_zero_tail)
+    adv, ret = get_estimator(name)(**data, handle_zero_tail=handle_zero_tail)
+    assert adv.dtype == ref_adv.dtype and ret.dtype == ref_ret.dtype
+    assert torch.equal(ret, ref_ret)
+    index = data["index"]
+    blocks = len(index) > 0 and all(
+        index[i] == index[i - i % n] for n in [list(index).count(index[0])] for i in range(len(index))
+    )
+    if name == "optimal_token_baseline" and blocks:
+        # Dense OTB on equal adjacent groups: the PyTorch path sums each group with torch.sum (its
+        # own summation order, as verl's); the kernel sums rows in order. Both are within 1e-6 of verl.
+        _assert_close(adv, ref_adv)
+    else:  # both add the group's rows in ascending order: identical bits
+        assert torch.equal(adv, ref_adv)
+
+
+@pytest.mark.parametrize("name", [p[0] for p in OTB_PAIRS])
+def test_fused_kernel_on_strided_and_bf16_inputs(name):
+    """Non-contiguous views and bf16 inputs reach the kernel (contiguous float32 copies) unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    batch, resp = 24, 96
+    big = torch.rand(batch, 2 * resp, generator=gen)
+    mask = (big[:, ::2] < 0.7).float()  # a strided view
+    rewards = torch.randn(batch, resp, generator=gen).t().contiguous().t()  # column-major
+    pi = torch.rand(batch, resp, generator=gen) * 0.9 + 0.05
+    data = {
+        "token_level_rewards": rewards,
+        "response_mask": mask,
+        "index": np.array([i % 5 for i in range(batch)], dtype=object),  # interleaved groups
+        "old_log_probs": pi.log(),
+        "sum_pi_squared": pi.square(),
+    }
+    for cast in (lambda t: t, lambda t: t.to(torch.bfloat16)):
+        d = {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+        ref = _pytorch_path(name, d)
+        out = get_estimator(name)(**d)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_without_a_compiler_the_estimators_warn_once_and_give_the_same_results(monkeypatch, tmp_path, caplog):
+    from otb_tir import fused
+
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.rand(16, 50, generator=gen) < 0.8).float()
+    pi = torch.rand(16, 50, generator=gen) * 0.9 + 0.05
+    args = (torch.randn(16, 50, generator=gen), mask, np.arange(16) // 4, pi.log(), pi.square())
+    expected = tir_optimal_token_baseline(*args)
+    monkeypatch.setenv("OTB_TIR_CACHE", str(tmp_path))  # nothing cached: a build is needed
+    monkeypatch.setattr(fused, "_lib", None)
+    monkeypatch.setattr(fused, "_failed", None)
+    monkeypatch.setattr(fused, "_compiler", lambda: None)
+    with caplog.at_level("WARNING", logger="otb_tir.fused"):
+        first = tir_optimal_token_baseline(*args)
+        second = tir_optimal_token_baseline(*args)
+    assert not fused.fused_available()
+    warnings = [r for r in caplog.records if "fused OTB kernel unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
+    assert all(torch.equal(a, b) for a, b in zip(first, expected))
+    assert all(torch.equal(a, b) for a, b in zip(second, expected))
+    assert not list(tmp_path.glob("fused_otb-*/*.so"))
+
+
+def test_kernel_build_is_cached_and_a_broken_compiler_falls_back(monkeypatch, tmp_path, caplog):
+    """A fresh cache builds the kernel once (a published folder with the .so); a compiler that fails
+    is reported with its error and the PyTorch path is used."""
+    from otb_tir import fused
+
+    monkeypatch.setenv("OTB_TIR_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused, "_lib", None)
+    monkeypatch.setattr(fused, "_failed", None)
+    assert fused.fused_available()
+    built = list(tmp_path.glob("fused_otb-*/fused_otb.so"))
+    assert len(built) == 1 and (built[0].parent / "otb_tir_fused.json").is_file()
+
+    fake = tmp_path / "bin" / "cc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'cc: fatal error: simulated' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setattr(fused, "_lib", None)
+    monkeypatch.setattr(fused, "_failed", None)
+    with caplog.at_level("WARNING", logger="otb_tir.fused"):
+        assert not fused.fused_available()
+    assert any("simulated" in r.getMessage() for r in caplog.records)
