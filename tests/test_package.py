@@ -50,6 +50,7 @@ def venv(tmp_path_factory) -> Path:
         "otb_tir/configs/eval_tool_use.yaml",
         "otb_tir/verl/configs/agent_loop.yaml",
         "otb_tir/defaults/chat_template.jinja",
+        "otb_tir/fused_otb.c",
     ):
         assert shipped in names, f"{shipped} is not in the wheel"
     assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names)
@@ -59,6 +60,27 @@ def venv(tmp_path_factory) -> Path:
     _sh([py, "-m", "pip", "install", "-q", "torch==2.13.0"], cwd=work, timeout=1200)
     _sh([py, "-m", "pip", "install", "-q", wheel], cwd=work, timeout=1200)
     return work / "venv"
+
+
+def test_installed_package_builds_its_fused_estimator_kernel(venv, tmp_path):
+    """The C source ships in the wheel; the installed package compiles it into the user's cache and
+    its TIR-OTB equals the PyTorch path's."""
+    code = (
+        "import numpy as np, os, torch\n"
+        "from otb_tir import fused\n"
+        "from otb_tir.advantage import tir_optimal_token_baseline as tir\n"
+        "assert fused.fused_available(), 'kernel did not build'\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "m = (torch.rand(16, 64, generator=g) < 0.8).float(); p = torch.rand(16, 64, generator=g) * 0.9 + 0.05\n"
+        "args = (torch.randn(16, 64, generator=g), m, np.arange(16) // 4, p.log(), p.square())\n"
+        "a = tir(*args); os.environ['OTB_TIR_FUSED'] = '0'; b = tir(*args)\n"
+        "assert all(torch.equal(x, y) for x, y in zip(a, b))\n"
+        "print(fused._lib._name)\n"
+    )
+    env = _clean_env()
+    env["OTB_TIR_CACHE"] = str(tmp_path / "cache")
+    out = _sh([venv / "bin" / "python", "-c", code], cwd=tmp_path, env=env).stdout
+    assert str(tmp_path / "cache") in out and out.strip().endswith("fused_otb.so")
 
 
 def test_console_scripts_train_and_eval_from_a_folder_outside_the_checkout(venv, tmp_path, tiny_model_dir):
