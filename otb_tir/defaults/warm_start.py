@@ -45,7 +45,7 @@ from otb_tir.trainer.sft import SFTConfig, sft_train, tokenize_conversation
 logger = logging.getLogger(__name__)
 
 #: Bump when trace generation or training code changes: cached folders are keyed on it.
-WARM_VERSION = 4
+WARM_VERSION = 3
 #: The tools of the default recipe, in the order an episode lists them.
 DEFAULT_TOOLS = ("python", "calculator")
 #: Kinds whose expression Python's ``print`` evaluates to the exact answer.

@@ -105,71 +105,16 @@ def _loss_from_hidden(model, hidden: torch.Tensor, labels: torch.Tensor) -> torc
     return torch.nn.functional.cross_entropy(logits, targets[sel], reduction="sum")
 
 
-def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: groups of row indices whose lengths sum to at most ``capacity``."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for r in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b, free in enumerate(room):
-            if lengths[r] <= free:
-                bins[b].append(r)
-                room[b] -= lengths[r]
-                break
-        else:
-            bins.append([r])
-            room.append(capacity - lengths[r])
-    return bins
-
-
-def _packed_suffixes(
-    ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor, prefix: int, capacity: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' suffixes (after the shared ``prefix``) packed several to a row, no longer than the
-    longest suffix: ``(ids, position_ids, labels, mask)``. ``mask [rows, 1, W, prefix + W]`` (True =
-    may attend) lets each token see the shared prefix and the earlier tokens of its own segment
-    only, and its positions continue from the prefix, so every segment computes exactly what its
-    unpacked row would. Label ``-100`` marks each segment's first slot (its target is predicted by
-    the previous segment) and the padding."""
-    lengths = (attn.sum(dim=1) - prefix).tolist()
-    bins = pack_rows(lengths, max(max(lengths), capacity or 0))
-    width = max(sum(lengths[r] for r in rows) for rows in bins)
-    n = len(bins)
-    p_ids = torch.zeros((n, width), dtype=ids.dtype)
-    p_pos = torch.zeros((n, width), dtype=torch.long)
-    p_lab = torch.full((n, width), -100, dtype=labels.dtype)
-    seg = torch.full((n, width), -1, dtype=torch.long)  # segment number of each slot, -1 = padding
-    for b, rows in enumerate(bins):
-        at = 0
-        for k, r in enumerate(rows):
-            n_tok = lengths[r]
-            p_ids[b, at : at + n_tok] = ids[r, prefix : prefix + n_tok]
-            p_pos[b, at : at + n_tok] = torch.arange(prefix, prefix + n_tok)
-            p_lab[b, at + 1 : at + n_tok] = labels[r, prefix + 1 : prefix + n_tok]
-            seg[b, at : at + n_tok] = k
-            at += n_tok
-        p_pos[b, at:] = prefix  # padding: sees the prefix only, its output is unused
-    same = (seg.unsqueeze(2) == seg.unsqueeze(1)) & (seg.unsqueeze(2) >= 0)
-    causal = torch.ones((width, width), dtype=torch.bool).tril()
-    suffix_mask = same & causal
-    pad_rows = seg < 0
-    suffix_mask |= pad_rows.unsqueeze(2) & torch.eye(width, dtype=torch.bool)  # padding sees itself
-    mask = torch.cat([torch.ones((n, width, prefix), dtype=torch.bool), suffix_mask], dim=2).unsqueeze(1)
-    return p_ids, p_pos, p_lab, mask
-
-
 def masked_lm_loss(
-    model, batch: dict[str, torch.Tensor], *, share_prefix: bool = True, min_prefix: int = 16, pack: bool = True
+    model, batch: dict[str, torch.Tensor], *, share_prefix: bool = True, min_prefix: int = 16
 ) -> torch.Tensor:
     """Token-mean next-token cross-entropy over the positions whose *target* has a label.
 
     With ``share_prefix`` the token prefix common to every row (the system prompt with the tool
     schemas, the same in every conversation) is run once with batch size 1 and its KV cache
     repeated for the batch: the same loss and gradients as the plain forward (tests check it)
-    for a fraction of the compute. With ``pack`` (and a shared prefix) the rows' suffixes are
-    then packed several to a row instead of right-padded to the longest (``_packed_suffixes``:
-    a block-causal mask keeps the segments apart), again the same loss and gradients for fewer
-    positions. Only ``model.model`` / ``get_output_embeddings()`` style causal LMs with a KV
-    cache use these paths; anything else gets the plain forward.
+    for a fraction of the compute. Only ``model.model`` / ``get_output_embeddings()`` style
+    causal LMs with a KV cache use that path; anything else gets the plain forward.
     """
     ids, attn, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     n_targets = (labels[:, 1:] != -100).sum()
@@ -191,18 +136,9 @@ def masked_lm_loss(
                 logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100
             )
         return _loss_from_hidden(model, hidden, labels) / n_targets
+    bsz = ids.size(0)
     out = base(input_ids=ids[:1, :prefix], use_cache=True)
     cache = out.past_key_values
-    if pack:
-        p_ids, positions, p_labels, mask = _packed_suffixes(ids, attn, labels, prefix)
-        cache.batch_repeat_interleave(p_ids.size(0))
-        hidden = base(
-            input_ids=p_ids, attention_mask=mask, past_key_values=cache, position_ids=positions, use_cache=True
-        ).last_hidden_state
-        # _loss_from_hidden scores hidden[:, t] against labels[:, t + 1]: the packed labels already
-        # leave each segment's first slot unlabelled, so no target is predicted across segments
-        return _loss_from_hidden(model, hidden, p_labels) / n_targets
-    bsz = ids.size(0)
     cache.batch_repeat_interleave(bsz)
     positions = torch.arange(prefix, ids.size(1)).unsqueeze(0).expand(bsz, -1)
     hidden = base(

@@ -7,8 +7,6 @@ import random
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_env.math_task.data import make_split
@@ -24,16 +22,7 @@ from otb_tir.defaults.warm_start import (
     reference_call,
     tool_schemas,
 )
-from otb_tir.trainer.sft import (
-    SFTConfig,
-    _common_prefix_len,
-    _packed_suffixes,
-    collate,
-    masked_lm_loss,
-    pack_rows,
-    sft_train,
-    tokenize_conversation,
-)
+from otb_tir.trainer.sft import SFTConfig, collate, masked_lm_loss, sft_train, tokenize_conversation
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +109,14 @@ def test_shared_prefix_loss_equals_plain_loss(tokenizer, schemas):
     convs.append(_tool_conversation()[:1] + [{"role": "assistant", "content": "\\boxed{1}"}])
     batch = collate([tokenize_conversation(tokenizer, c, tools=schemas) for c in convs], tokenizer.pad_token_id)
 
-    def loss_and_grads(share, pack=False):
+    def loss_and_grads(share):
         model.zero_grad()
-        loss = masked_lm_loss(model, batch, share_prefix=share, pack=pack)
+        loss = masked_lm_loss(model, batch, share_prefix=share)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
     plain, g_plain = loss_and_grads(False)
     shared, g_shared = loss_and_grads(True)
-    packed, g_packed = loss_and_grads(True, pack=True)
     # oracle: the model's own full-vocabulary logits and torch's ignore_index cross-entropy
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     ref = torch.nn.functional.cross_entropy(
@@ -136,47 +124,8 @@ def test_shared_prefix_loss_equals_plain_loss(tokenizer, schemas):
     )
     torch.testing.assert_close(plain, ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(shared, ref.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(packed, ref.detach(), rtol=1e-5, atol=1e-6)
-    for a, b, c in zip(g_plain, g_shared, g_packed):
+    for a, b in zip(g_plain, g_shared):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
-
-
-def test_packing_puts_several_suffixes_in_a_row_and_keeps_them_apart(tokenizer, schemas):
-    """Short and long conversations: fewer packed rows than conversations, every labelled token
-    kept exactly once, and a segment's tokens never attend to another segment's."""
-    convs = [_tool_conversation(f"What is {a} times 7? Put the final answer in \\boxed{{}}.") for a in (3, 41)]
-    convs += [_tool_conversation()[:1] + [{"role": "assistant", "content": f"\\boxed{{{k}}}"}] for k in range(4)]
-    batch = collate([tokenize_conversation(tokenizer, c, tools=schemas) for c in convs], tokenizer.pad_token_id)
-    ids, attn, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
-    prefix = _common_prefix_len(ids, attn)
-    p_ids, pos, p_labels, mask = _packed_suffixes(ids, attn, labels, prefix)
-    assert p_ids.size(0) < ids.size(0) and p_ids.size(1) == int((attn.sum(1) - prefix).max())
-
-    # the labelled targets, as (previous token, target) pairs, are the same multiset
-    def pairs(i, lab):
-        return sorted((int(i[r, t - 1]), int(lab[r, t])) for r, t in (lab != -100).nonzero().tolist())
-
-    assert pairs(p_ids, p_labels) == pairs(ids[:, prefix:], labels[:, prefix:])
-    # segments: a slot attends to the prefix and to earlier slots with the same position run
-    seg_start = pos == prefix
-    for r in range(p_ids.size(0)):
-        seg = torch.cumsum(seg_start[r].long(), 0)
-        suffix_mask = mask[r, 0, :, prefix:]
-        assert mask[r, 0, :, :prefix].all()
-        for q in range(p_ids.size(1)):
-            allowed = (seg == seg[q]) & (torch.arange(p_ids.size(1)) <= q)
-            assert torch.equal(suffix_mask[q] & ~allowed, torch.zeros_like(allowed))
-
-
-@given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40))
-def test_pack_rows_is_a_partition_within_capacity(lengths):
-    capacity = max(lengths)
-    bins = pack_rows(lengths, capacity)
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
-    # first-fit decreasing never uses more than 11/9 OPT + 1 bins; at least the trivial bound holds
-    assert len(bins) <= len(lengths) and len(bins) >= -(-sum(lengths) // capacity)
 
 
 def test_few_steps_reduce_loss(tokenizer, schemas):
