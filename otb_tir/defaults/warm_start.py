@@ -236,25 +236,39 @@ def plan_messages(plan: _Plan) -> list[dict[str, Any]]:
     return messages
 
 
-async def _run_plans(plans: list[_Plan], concurrency: int = 8) -> None:
+async def _run_plans(plans: list[_Plan], concurrency: int = 8, in_process: bool = True) -> None:
+    """Fill in the plans' tool results. ``python`` calls run in the real tool's sandbox; with
+    ``in_process`` the ``calculator`` calls run its evaluator here (``tools.calculator.calculate``,
+    the code the tool's sandboxed snippet runs, with the tool's result cap), the same text for
+    these small trusted expressions (a test checks it against the tool) without a sandboxed
+    process per call: ~20 s less on the 2-core VM for the default 3,000 traces."""
     from tools import get_tool
+    from tools.calculator import calculate
 
     names = sorted({p.call["name"] for p in plans if p.call is not None} | {"calculator" for p in plans if p.follow})
+    if in_process:
+        names = [n for n in names if n != "calculator"]
     tools = {name: get_tool(name) for name in names}
+    calc_chars = get_tool("calculator").max_result_chars if in_process else 0
     sem = asyncio.Semaphore(concurrency)
+
+    async def run(call: dict[str, Any]) -> str:
+        if in_process and call["name"] == "calculator":
+            return calculate(call["arguments"]["expression"], max_chars=calc_chars)[2]
+        return (await tools[call["name"]].call(call["arguments"])).text
 
     async def one(plan: _Plan) -> None:
         async with sem:
-            res = await tools[plan.call["name"]].call(plan.call["arguments"])
-            plan.result = res.text
+            text = await run(plan.call)
+            plan.result = text
             for template in plan.follow:  # the chain task: the next step on this step's result
                 call = {
                     "name": "calculator",
-                    "arguments": {"expression": template.format(r=final_answer_from_result(res.text))},
+                    "arguments": {"expression": template.format(r=final_answer_from_result(text))},
                 }
-                res = await tools["calculator"].call(call["arguments"])
+                text = await run(call)
                 plan.follow_calls.append(call)
-                plan.follow_results.append(res.text)
+                plan.follow_results.append(text)
 
     try:
         await asyncio.gather(*(one(p) for p in plans if p.call is not None))
@@ -264,16 +278,17 @@ async def _run_plans(plans: list[_Plan], concurrency: int = 8) -> None:
 
 
 def make_traces(
-    n: int, seed: int = 0, mixture: TraceMixture | None = None, task: str = "arith"
+    n: int, seed: int = 0, mixture: TraceMixture | None = None, task: str = "arith", *, in_process: bool = True
 ) -> list[list[dict[str, Any]]]:
-    """``n`` SFT conversations on built-in *train* problems of ``task``, tool results from the real tools."""
+    """``n`` SFT conversations on built-in *train* problems of ``task``, tool results from the real
+    tools (``calculator`` evaluated in this process with ``in_process``: see ``_run_plans``)."""
     from agent_env.math_task.data import make_split
 
     mixture = mixture or TraceMixture()
     mixture.validate()
     rng = random.Random(f"warm-start-traces:{seed}" if task == "arith" else f"warm-start-traces:{task}:{seed}")
     plans = [plan_trace(item, rng, mixture) for item in make_split("train", n, seed=seed, task=task)]
-    asyncio.run(_run_plans(plans))
+    asyncio.run(_run_plans(plans, in_process=in_process))
     return [plan_messages(p) for p in plans]
 
 

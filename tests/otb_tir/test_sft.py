@@ -4,6 +4,7 @@ a few steps reduce the loss, traces run the real tools."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -173,6 +174,24 @@ def test_perturb_number_changes_one_digit():
                 out[i] == "0" and (i == 0 or not out[i - 1].isdigit()) and i + 1 < len(out) and out[i + 1].isdigit()
                 for i in range(len(out))
             )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["arith", "chain"])
+def test_in_process_calculator_traces_equal_the_sandboxed_tools(task):
+    """The warm start evaluates its calculator calls in this process (``in_process``, the default):
+    the traces must be exactly those the sandboxed tools give, every trace type included (wrong
+    calls' results, equations' roots, the chain task's second calls on the first's output)."""
+    from otb_tir.defaults.warm_start import CHAIN_MIXTURE
+
+    if task == "arith":
+        mixture = TraceMixture(tool=1, python=1, guess=1, wrong_tool=1, tool_share={})
+    else:
+        mixture = replace(CHAIN_MIXTURE, wrong_tool=0.2)
+    fast = make_traces(120, seed=3, mixture=mixture, task=task)
+    real = make_traces(120, seed=3, mixture=mixture, task=task, in_process=False)
+    assert fast == real
+    assert sum(len(m) > 2 for m in real) > 40  # most of them call a tool
 
 
 @pytest.mark.slow
