@@ -1,6 +1,6 @@
 """Where one sandbox call's time goes, phase by phase, from the worker's ``profile`` option.
 
-    .venv/bin/python benchmarks/bench_sandbox_profile.py [--n 40] [--prefault] [--backend auto]
+    .venv/bin/python benchmarks/bench_sandbox_profile.py [--n 40] [--prefault] [--backend auto] [--set thp=false]
 
 Starts one sandbox worker (the ``python`` tool's default limits) with
 ``worker_options={"profile": True}`` (``tools/sandbox/worker_profile.py``; ``--prefault`` adds the
@@ -82,12 +82,22 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=0.05, help="seconds between calls")
     ap.add_argument("--prefault", action="store_true", help="also the opt-in prefault experiment")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="diagnostics only: override one worker config key (e.g. thp=false, seccomp=false) to see what it costs",
+    )
     args = ap.parse_args()
 
     opts = {"profile": True, **({"prefault": True} if args.prefault else {})}
     tool = PythonTool(backend=args.backend, workers=1, cache=False, worker_options=opts)
     backend = make_backend(args.backend) if isinstance(args.backend, str) else args.backend
     cfg = backend.worker_config(dict(tool.worker_cfg, stateful=False))
+    for kv in args.set:
+        key, _, value = kv.partition("=")
+        cfg[key] = json.loads(value)
     proc = subprocess.Popen(backend.command(cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_minimal_env())
     rows: dict[str, list[dict[str, float]]] = {s: [] for s in SNIPPETS}
     try:
@@ -97,6 +107,7 @@ def main() -> None:
             f"backend {backend.name}; worker ready: seccomp {ready['seccomp']}, "
             f"thp {ready['thp_mb']} MiB, raw_fork {ready['raw_fork']}"
             + (f", hot pages {ready.get('hot_pages')}" if args.prefault else "")
+            + (f"; overrides {args.set}" if args.set else "")
         )
         i = 0
         for name, (code, expected) in SNIPPETS.items():  # one snippet after the other (prefault

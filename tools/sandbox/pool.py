@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import struct
@@ -73,12 +74,42 @@ class WorkerProcess:
         self._pending_idle = False
         self._req_ids = itertools.count()
         self.name = f"sandbox-worker-{next(self._ids)}"
+        # a pidfd of the worker, polled by ``alive``: readable once the process has exited (also
+        # while it is a zombie), one poll(2) instead of opening and reading /proc/PID/stat; it
+        # also cannot be fooled by a reused pid. None where pidfds are unavailable (Linux < 5.3).
+        self._pidfd: int | None = None
+        self._pidfd_poll: select.poll | None = None
 
     @property
     def alive(self) -> bool:
         """Running, as far as this process can tell: a worker SIGKILLed from outside counts as
-        dead at once, before asyncio reaps it."""
-        return self.proc is not None and self.proc.returncode is None and _pid_running(self.proc.pid)
+        dead at once, before asyncio reaps it. Checked up to three times per call (acquire, run,
+        release), so it is kept to one system call."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return False
+        if self._pidfd_poll is not None:
+            return not self._pidfd_poll.poll(0)
+        return _pid_running(proc.pid)
+
+    def _open_pidfd(self) -> None:
+        self._close_pidfd()
+        assert self.proc is not None
+        try:
+            fd = os.pidfd_open(self.proc.pid)
+        except (OSError, AttributeError):
+            return
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        self._pidfd, self._pidfd_poll = fd, poller
+
+    def _close_pidfd(self) -> None:
+        fd, self._pidfd, self._pidfd_poll = self._pidfd, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -95,6 +126,7 @@ class WorkerProcess:
             )
         except OSError as e:
             raise WorkerDied(f"{self.name} could not be launched ({cmd[0]}: {e})") from e
+        self._open_pidfd()
         try:
             ready = await asyncio.wait_for(self._read_frame(), START_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
@@ -219,6 +251,7 @@ class WorkerProcess:
                 await asyncio.wait_for(proc.wait(), 10.0)
             except asyncio.TimeoutError:
                 log.error("%s (pid %s) did not exit after SIGKILL", self.name, proc.pid)
+        self._close_pidfd()
         self._cleanup_scratch()
 
     def kill_sync(self) -> None:
@@ -229,6 +262,7 @@ class WorkerProcess:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        self._close_pidfd()
         self._cleanup_scratch()
 
     def _cleanup_scratch(self) -> None:
