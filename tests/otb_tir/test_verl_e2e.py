@@ -168,8 +168,8 @@ def test_the_batch_verl_built_keeps_the_multi_turn_contract(readme_run):
 
 def test_weight_sync_takes_effect(verl_python, tmp_path):
     """At a high learning rate the rollout engine must serve the updated policy: verl's
-    rollout/actor probability correlation at step 2 stays high with the sync, and drops when the
-    vLLM worker skips loading the post-update weights (tests/support/verl_faults.py)."""
+    rollout/actor probability correlation at step 2 stays high with the sync, and drops far below it
+    when the vLLM worker skips loading the post-update weights (tests/support/verl_faults.py)."""
     # 8 prompts x 4 samples: step 1 must update the actor (a batch whose groups all have equal
     # rewards has zero advantages and leaves nothing to sync; with 2 prompts that happened in CI)
     high_lr = [*SMALL, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.optim.lr=0.1"]
@@ -183,7 +183,11 @@ def test_weight_sync_takes_effect(verl_python, tmp_path):
         assert steps[1]["actor/grad_norm"] > 0, f"{name}: step 1 did not update the actor, nothing to sync"
         corr[name] = steps[2]["training/rollout_actor_probs_pearson_corr"]
     assert corr["synced"] >= 0.9, corr
-    assert corr["skipped"] < 0.9, corr
+    # How far the skipped run falls depends on how much step 1 moved the policy (which groups had
+    # unequal rewards: 0.2 in the verl-on-CPU notes, 0.92 in one CI run), so compare the two
+    # runs: without the sync the rollout engine's probabilities must be far less correlated with
+    # the actor's (1 - r at least 10x larger) than with it.
+    assert 1 - corr["skipped"] >= 10 * max(1 - corr["synced"], 1e-3), corr
 
 
 def test_a_failed_weight_sync_stops_the_run_with_its_traceback(verl_python, tmp_path):
