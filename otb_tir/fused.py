@@ -125,11 +125,6 @@ def _executor(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def eligible(*tensors: torch.Tensor | None) -> bool:
-    """The kernel takes CPU float32 tensors (the others go through the PyTorch path)."""
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
-
-
 @torch.no_grad()
 def fused_otb(
     rewards: torch.Tensor,

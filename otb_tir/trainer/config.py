@@ -110,7 +110,9 @@ class AlgorithmConfig:
     adv_estimator: str = "tir_optimal_token_baseline"  # | optimal_token_baseline | grpo | rloo
     handle_zero_tail: bool = True  # OTB: as verl's handle_zero_tail (zero baseline past a row's last policy token)
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's reward std
-    rollout_is: bool = False  # truncated IS weights π_old/π_rollout passed to the estimator
+    # truncated token-level IS weights π_old/π_rollout passed to the estimator and the loss; null = auto:
+    # on in verl's asynchronous trainer modes (their samples are off-policy), off otherwise
+    rollout_is: bool | None = None
     rollout_is_threshold: float = 2.0  # truncation of the IS weights
     filter: FilterConfig = field(default_factory=FilterConfig)
 
@@ -160,6 +162,11 @@ class VerlConfig:  # trainer=verl only: verl settings this recipe does not model
     # After a traceback in verl's output, the current phase gets this long to finish before the run
     # is stopped with that traceback (verl can hang after a worker failed, e.g. a failed weight sync).
     error_grace_s: float = 120.0
+    # Which verl trainer runs: verl's default V1 trainer in its `sync`, `colocate_async` or
+    # `separate_async` mode (our otb_<mode> classes, otb_tir.verl.v1), or its `legacy` RayPPOTrainer.
+    trainer_mode: str = "sync"
+    # verl other than the tested pin (otb_tir.verl.VERL_VERSION) stops the run at start unless this is set.
+    allow_untested_version: bool = False
 
 
 @dataclass
@@ -187,6 +194,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.name": ("local", "verl"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.dist_backend": ("auto", "gloo", "nccl"),
+    "verl.trainer_mode": ("sync", "colocate_async", "separate_async", "legacy"),
 }
 
 

@@ -91,6 +91,10 @@ class ServerManagerEngine:
         self.request_id = request_id or uuid4().hex
         self.generate_kwargs = generate_kwargs
         self.calls = 0
+        # the weight versions (verl's global steps) the episode's turns were generated with: verl's V1
+        # trainer bounds and reports staleness from the trajectory's min/max (TransferQueue tags)
+        self.min_global_steps: int | None = None
+        self.max_global_steps: int | None = None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         sp = dict(self.base)
@@ -106,6 +110,7 @@ class ServerManagerEngine:
             request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=sp, **self.generate_kwargs
         )
         ids = [int(t) for t in out.token_ids]
+        self._versions(getattr(out, "extra_fields", None) or {})
         stop_reason = getattr(out, "stop_reason", None)
         if stop_reason == "aborted":
             return GenerationOutput(token_ids=[], logprobs=[], finish_reason="abort")
@@ -122,6 +127,23 @@ class ServerManagerEngine:
         else:
             finish = "stop"  # an eos id of the model or a stop string
         return GenerationOutput(token_ids=ids, logprobs=[float(x) for x in logprobs], finish_reason=finish)
+
+    def _versions(self, extra: Mapping[str, Any]) -> None:
+        lo = extra.get("min_global_steps", extra.get("global_steps"))
+        hi = extra.get("max_global_steps", extra.get("global_steps"))
+        if lo is not None:
+            self.min_global_steps = int(lo) if self.min_global_steps is None else min(self.min_global_steps, int(lo))
+        if hi is not None:
+            self.max_global_steps = int(hi) if self.max_global_steps is None else max(self.max_global_steps, int(hi))
+
+    def version_fields(self) -> dict[str, int]:
+        """``min_global_steps`` / ``max_global_steps`` over the episode's turns (those the server reported)."""
+        out = {}
+        if self.min_global_steps is not None:
+            out["min_global_steps"] = self.min_global_steps
+        if self.max_global_steps is not None:
+            out["max_global_steps"] = self.max_global_steps
+        return out
 
     async def update_weights(self, named_tensors: Any) -> None:
         raise EngineError("weights of verl's rollout servers are synchronized by verl's trainer, not by the episode")
@@ -282,6 +304,15 @@ class OTBToolAgentLoop(AgentLoopBase):
                     "tool_rewards": [],
                     "otb_skipped": "prompt_too_long",
                     "reward_extra_info": _reward_extra_info(None),
+                    # nothing was generated: the version the prompt was taken at (verl's V1 tags need one)
+                    **(
+                        {
+                            "min_global_steps": int(kwargs["global_steps"]),
+                            "max_global_steps": int(kwargs["global_steps"]),
+                        }
+                        if kwargs.get("global_steps") is not None
+                        else {}
+                    ),
                 },
             )
 
@@ -307,6 +338,7 @@ class OTBToolAgentLoop(AgentLoopBase):
                 "otb_finish_reason": traj.finish_reason,
                 "otb_template_mismatch": traj.template_mismatch,
                 "reward_extra_info": _reward_extra_info(traj),
+                **engine.version_fields(),
             },
         )
 

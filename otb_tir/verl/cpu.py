@@ -50,20 +50,18 @@ freeing (vLLM-CPU has no sleep mode), eager vLLM, float32 rollout, no remove-pad
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.metadata
 import logging
 import os
-import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable
 
+from otb_tir.verl.glue import after_import
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_FLAG", "PATCHES", "after_import", "apply", "applied", "cpu_env", "cpu_overrides", "has_accelerator"]
+__all__ = ["ENV_FLAG", "PATCHES", "after_import", "apply", "applied", "cpu_env", "cpu_overrides"]
 
 ENV_FLAG = "OTB_TIR_VERL_CPU"
 MODULE = __name__
@@ -74,19 +72,6 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 256)
 
 _lock = threading.Lock()
 _applied: set[str] = set()
-
-
-def has_accelerator() -> bool:
-    """A CUDA/ROCm GPU or an Ascend NPU that torch can use."""
-    import torch
-
-    if torch.cuda.is_available():
-        return True
-    npu = getattr(torch, "npu", None)
-    try:
-        return bool(npu is not None and npu.is_available())
-    except Exception:  # pragma: no cover - torch_npu quirks
-        return False
 
 
 def cpu_env(kv_cache_gib: int = 1) -> dict[str, str]:
@@ -112,7 +97,11 @@ def cpu_overrides(*, max_model_len: int, num_cpus: int | None = None) -> dict[st
         # a Ray cluster of its own: without an address ray.init() joins any Ray cluster already running on
         # the machine (another run's, with other environment variables and code)
         "+ray_kwargs.ray_init.address": "local",
-        "ray_kwargs.ray_init.num_cpus": int(num_cpus or max(8, os.cpu_count() or 2)),
+        # logical CPUs for Ray's scheduling: verl V1's TransferQueue alone asks one each for its controller and
+        # storage units (with too few, its init waits forever for an actor that cannot be placed)
+        "ray_kwargs.ray_init.num_cpus": int(num_cpus or max(16, os.cpu_count() or 2)),
+        # one storage unit (verl's default is 8 processes of ~0.5 GB each)
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
         "actor_rollout_ref.actor.strategy": "fsdp2",
         "actor_rollout_ref.actor.fsdp_config.strategy": "fsdp2",
         "actor_rollout_ref.ref.strategy": "fsdp2",
@@ -428,61 +417,6 @@ def _patch_rollout_registry() -> None:
         module.RolloutReplicaRegistry.register("vllm", _cpu_vllm_replica)
 
     after_import("verl.workers.rollout.replica", register)
-
-
-# --------------------------------------------------------------------------- post-import hooks
-class _HookLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, hook: Callable[[ModuleType], None]) -> None:
-        self.inner, self.hook = inner, hook
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        module.__loader__ = self.inner
-        self.hook(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the real loader
-        return getattr(self.inner, name)
-
-
-class _AfterImportFinder(importlib.abc.MetaPathFinder):
-    def __init__(self) -> None:
-        self.hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        hooks = self.hooks.pop(fullname, None)
-        if not hooks:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-
-                def run(module: ModuleType, hooks: list = hooks) -> None:
-                    for hook in hooks:
-                        hook(module)
-
-                spec.loader = _HookLoader(spec.loader, run)
-                return spec
-        self.hooks[fullname] = hooks
-        return None
-
-
-_finder = _AfterImportFinder()
-
-
-def after_import(module_name: str, hook: Callable[[ModuleType], None]) -> None:
-    """Run ``hook(module)`` once ``module_name`` is imported (now, if it already is)."""
-    module = sys.modules.get(module_name)
-    if module is not None:
-        hook(module)
-        return
-    _finder.hooks.setdefault(module_name, []).append(hook)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
 
 
 apply()

@@ -60,10 +60,21 @@ class Progress:
         tmp.write_text(json.dumps(row))
         os.replace(tmp, self.path)
 
-    @contextlib.contextmanager
-    def phase(self, name: str):
+    def enter(self, name: str) -> None:
+        """A phase begins (for phases verl opens and closes in two different hooks)."""
         self.stack.append(name)
         self.write(name)
+
+    def leave(self, name: str, failed: str | None = None) -> None:
+        """The phase ``name`` ends (and any phase opened inside it and left open)."""
+        while self.stack:
+            if self.stack.pop() == name:
+                break
+        self.write(self.stack[-1] if self.stack else "between_phases", failed=failed)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.enter(name)
         failed = None
         try:
             yield
@@ -71,8 +82,7 @@ class Progress:
             failed = name
             raise
         finally:
-            self.stack.pop()
-            self.write(self.stack[-1] if self.stack else "between_phases", failed=failed)
+            self.leave(name, failed=failed)
 
 
 def _response_attention(batch: Any) -> torch.Tensor:
@@ -81,14 +91,22 @@ def _response_attention(batch: Any) -> torch.Tensor:
 
 
 def check_contract(
-    data: Any, adv_estimator: str, verl_estimator: Callable[..., Any] | None, config: Any = None
+    data: Any,
+    adv_estimator: str,
+    verl_estimator: Callable[..., Any] | None,
+    config: Any = None,
+    inside: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """The contract figures of a batch after ``compute_advantage`` (raises :class:`ContractError`)."""
+    """The contract figures of a batch after ``compute_advantage`` (raises :class:`ContractError`).
+
+    ``inside``: which response positions hold a token of the row (bool ``[B, R]``); by default the
+    response part of the batch's ``attention_mask`` (verl's legacy trainer; its V1 trainer keeps
+    responses as nested tensors and passes their lengths instead)."""
     b = data.batch
     mask = b["response_mask"].bool()
     adv = b["advantages"]
     scores = b["token_level_rewards"]
-    inside = _response_attention(b).bool()
+    inside = _response_attention(b).bool() if inside is None else inside.bool()
     tool = inside & ~mask
     out: dict[str, float] = {"contract/tool_tokens": float(tool.sum()), "contract/policy_tokens": float(mask.sum())}
     out["contract/tool_token_adv_max_abs"] = float(adv[tool].abs().max()) if tool.any() else 0.0
@@ -116,6 +134,7 @@ def check_contract(
             float((adv[rows] != 0).float().mean()) if rows.any() else math.nan
         )
     if verl_estimator is not None and adv_estimator in OTB_ESTIMATORS:
+        out["contract/is_weights_in_estimator"] = float(b.get("rollout_is_weights", None) is not None)
         theirs, _ = verl_estimator(
             token_level_rewards=scores,
             response_mask=b["response_mask"],

@@ -15,8 +15,16 @@ hydra's compose API (as ``verl.trainer.main_ppo`` does) and sets, from our confi
   parquet under ``<output_dir>/data`` when none are given), model path, ``rollout.name``
   (vllm | sglang), n, temperature, response length, lr and optimizer, batch sizes, GPUs/nodes,
   output dir, loggers;
-* ``trainer.use_v1=False``: verl 0.9.1's v1 trainer never fetches ``sum_pi_squared`` into its
-  advantage batch, so OTB only works on the (RayPPOTrainer) v0 trainer.
+* the trainer, from ``verl.trainer_mode``: verl's default V1 trainer (``trainer.use_v1=true``) in
+  mode ``sync`` (the default), ``colocate_async`` or ``separate_async``, through our classes
+  ``trainer.v1.trainer_mode=otb_<mode>`` (:mod:`otb_tir.verl.v1`: verl 0.9.1's V1 trainer never
+  asks the actor for Σπ², which the OTB estimators need), or ``legacy`` (``trainer.use_v1=false``,
+  verl's RayPPOTrainer, which does). In the asynchronous modes rollout correction is on unless
+  ``algorithm.rollout_is=false`` (token-level truncated IS) and staleness is bounded by verl's
+  sampler: ``trainer.v1.sampler.max_off_policy_threshold`` = :data:`ASYNC_MAX_OFF_POLICY` (a
+  prompt's samples are used at most one weight version after it was queued) with strategy
+  ``wait`` (nothing generated is thrown away; sampling waits instead); ``verl.trainer.v1.sampler.*``
+  overrides them.
 
 ``prepare_verl(cfg)`` validates the result with verl's ``validate_config`` and writes it to
 ``<output_dir>/verl_config.yaml``; without an accelerator it adds the CPU profile of
@@ -68,6 +76,12 @@ __all__ = [
 ]
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+V1_MODES = ("sync", "colocate_async", "separate_async")
+ASYNC_MODES = ("colocate_async", "separate_async")
+#: our default staleness bound in the asynchronous modes (verl's max_off_policy_threshold: the number of
+#: weight versions a prompt's samples may span, counting the one it was queued at) and its strategy
+ASYNC_MAX_OFF_POLICY = 2
+ASYNC_OFF_POLICY_STRATEGY = "wait"
 AGENT_LOOP_TARGET = "otb_tir.verl.agent_loop.OTBToolAgentLoop"
 DEFAULT_PROMPT_LENGTH = 1024
 # trainer.loggers → verl's trainer.logger; jsonl and tensorboard are written by our hooks in the TaskRunner
@@ -199,6 +213,14 @@ def _check_supported(cfg: DictConfig) -> None:
             "algorithm.handle_zero_tail=false is not available on the verl path (verl's "
             "compute_advantage does not pass it; the OTB estimators use the default, true)"
         )
+    if cfg.verl.trainer_mode == "separate_async" and _device(cfg) == "cpu" and not cfg.verl.dry_run:
+        raise ConfigError(
+            "verl.trainer_mode=separate_async cannot run on this CPU: verl's separate_async puts the rollout "
+            "on its own resource pool (actor_rollout_ref.rollout.nnodes/n_gpus_per_node > 0) and syncs weights "
+            "with an nccl, nixl or mooncake checkpoint engine (it refuses 'naive'), none of which runs without "
+            "a GPU. Use verl.trainer_mode=colocate_async here, or verl.dry_run=true trainer.device=cuda to "
+            "print the separate_async command for a GPU machine"
+        )
     f = cfg.algorithm.filter
     unsupported = [k for k in ("void_turns", "overlong", "all_equal_reward_groups") if f[k]]
     if unsupported:
@@ -275,6 +297,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     micro = math.gcd(int(a.ppo_micro_batch_size), int(a.ppo_mini_batch_size) * int(r.n))
     log_prob_micro = math.gcd(micro, int(cfg.data.train_batch_size) * int(r.n))
     otb = cfg.algorithm.adv_estimator in OTB_ESTIMATORS
+    mode = cfg.verl.trainer_mode
     settings: dict[str, Any] = {
         # algorithm
         "algorithm.adv_estimator": cfg.algorithm.adv_estimator,
@@ -337,7 +360,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "data.return_raw_chat": True,
         "data.filter_overlong_prompts": True,
         # trainer
-        "trainer.use_v1": False,
+        "trainer.use_v1": mode != "legacy",
         "trainer.n_gpus_per_node": int(cfg.trainer.n_gpus_per_node),
         "trainer.nnodes": int(cfg.trainer.nnodes),
         "trainer.total_training_steps": int(cfg.trainer.total_steps),
@@ -354,7 +377,12 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if _LOGGERS.get(name)],
         "trainer.rollout_data_dir": None,
     }
-    if cfg.algorithm.rollout_is:
+    if mode != "legacy":
+        settings["trainer.v1.trainer_mode"] = f"otb_{mode}"  # otb_tir.verl.v1 registers these
+    if mode in ASYNC_MODES:
+        settings["trainer.v1.sampler.max_off_policy_threshold"] = ASYNC_MAX_OFF_POLICY
+        settings["trainer.v1.sampler.max_off_policy_strategy"] = ASYNC_OFF_POLICY_STRATEGY
+    if rollout_is(cfg):
         settings["algorithm.rollout_correction.rollout_is"] = "token"
         settings["algorithm.rollout_correction.rollout_is_threshold"] = float(cfg.algorithm.rollout_is_threshold)
     unknown_loggers = [name for name in cfg.trainer.loggers if name not in _LOGGERS]
@@ -381,9 +409,35 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         # metrics.jsonl always (summary.json and the step count are read from it), TensorBoard when asked
         env_vars["OTB_TIR_LOGGERS"] = "jsonl,tensorboard" if "tensorboard" in cfg.trainer.loggers else "jsonl"
         env_vars["OTB_TIR_RESUME"] = "1" if cfg.trainer.resume else "0"  # a resumed run appends to metrics.jsonl
+        # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
+        external = [m for m in str(env_vars.get("VERL_USE_EXTERNAL_MODULES", "")).split(",") if m]
+        env_vars["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(["otb_tir.verl.v1", *external]))
         runtime_env["env_vars"] = env_vars
     _apply_user_overrides(v, parsed)
+    from otb_tir.verl.v1 import check_bypass
+
+    try:
+        check_bypass(v)  # also with the user's overrides applied
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return v
+
+
+def rollout_is(cfg: DictConfig) -> bool:
+    """Truncated IS weights: ``algorithm.rollout_is``, or (null) on in verl's asynchronous modes."""
+    if cfg.algorithm.rollout_is is not None:
+        return bool(cfg.algorithm.rollout_is)
+    return cfg.verl.trainer_mode in ASYNC_MODES
+
+
+def trainer_description(mode: str) -> str:
+    """What ``verl.trainer_mode`` runs, in words (summary.json's ``trainer_path``)."""
+    if mode == "legacy":
+        return "verl RayPPOTrainer (trainer.use_v1=false), verl's legacy trainer"
+    return (
+        f"verl V1 trainer, mode {mode} (trainer.use_v1=true, trainer.v1.trainer_mode=otb_{mode}: verl's "
+        f"{mode} class with the Σπ² step of otb_tir.verl.v1)"
+    )
 
 
 def validate_verl_config(vcfg: DictConfig) -> None:
@@ -424,7 +478,7 @@ class VerlRunError(RuntimeError):
 
 def _device(cfg: DictConfig) -> str:
     """``cpu`` (this module's CPU profile, :mod:`otb_tir.verl.cpu`) or ``gpu``, from ``trainer.device``."""
-    from otb_tir.verl.cpu import has_accelerator
+    from otb_tir.verl import has_accelerator
 
     want = cfg.trainer.device
     if want == "cpu":
@@ -440,9 +494,12 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
     import shlex
     import sys
 
+    from otb_tir.verl import UNTESTED_ENV, check_verl_version
+
+    check_verl_version(bool(cfg.verl.allow_untested_version))
     device = _device(cfg)
     if device == "gpu" and cfg.trainer.device == "cuda" and not cfg.verl.dry_run:
-        from otb_tir.verl.cpu import has_accelerator
+        from otb_tir.verl import has_accelerator
 
         if not has_accelerator():
             raise ConfigError(
@@ -458,16 +515,27 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
     _check_tools(cfg)
     vcfg = compose_verl_config(cfg, overrides, cpu=device == "cpu")
     env: dict[str, str] = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true")}
+    if cfg.verl.allow_untested_version:
+        env[UNTESTED_ENV] = "1"
+    # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
+    external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    env["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(["otb_tir.verl.v1", *external]))
     if device == "cpu":
         from otb_tir.verl import cpu
 
-        env.update(cpu.cpu_env())
+        cpu_vars = cpu.cpu_env()
+        cpu_vars["VERL_USE_EXTERNAL_MODULES"] = ",".join(
+            dict.fromkeys([*cpu_vars["VERL_USE_EXTERNAL_MODULES"].split(","), "otb_tir.verl.v1"])
+        )
+        env.update(cpu_vars)
         with open_dict(vcfg):
             vcfg.ray_kwargs.ray_init.runtime_env.env_vars.update(env)
     else:
         from verl.utils.device import auto_set_device
 
         auto_set_device(vcfg)  # cuda, or npu on Ascend (verl's own detection)
+        with open_dict(vcfg):
+            vcfg.ray_kwargs.ray_init.runtime_env.env_vars.update(env)
     validate_verl_config(vcfg)
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
     config_path = out / "verl_config.yaml"
@@ -475,10 +543,8 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
     cmd = [sys.executable, "-m", "otb_tir.verl.launch", str(config_path)]
     info = {
         "device": device,
-        "trainer": (
-            "verl RayPPOTrainer (trainer.use_v1=false): verl 0.9.1's default v1 trainer never asks the actor "
-            "for sum_pi_squared, so its OTB estimators cannot run there"
-        ),
+        "trainer": trainer_description(cfg.verl.trainer_mode),
+        "trainer_mode": cfg.verl.trainer_mode,
         "adv_estimator": cfg.algorithm.adv_estimator,
         "rollout": vcfg.actor_rollout_ref.rollout.name,
         "n_gpus_per_node": int(vcfg.trainer.n_gpus_per_node),
@@ -561,6 +627,7 @@ def _summary(cfg: DictConfig, out: Path, info: Mapping[str, Any], wall: float) -
         "verl": require_verl().__version__,
         "device": info["device"],
         "trainer_path": info["trainer"],
+        "trainer_mode": info["trainer_mode"],
         "adv_estimator": info["adv_estimator"],
         "rollout": info["rollout"],
         "steps": len(steps),
@@ -582,12 +649,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("config", help="verl_config.yaml written by the recipe (trainer=verl)")
     args = p.parse_args(argv)
     vcfg = OmegaConf.load(args.config)
-    require_verl()
-    from verl.trainer.main_ppo import run_ppo
+    from otb_tir.verl import check_verl_version
 
-    from otb_tir.verl.task_runner import OTBTaskRunner
+    check_verl_version()  # OTB_TIR_ALLOW_UNTESTED_VERL=1 (verl.allow_untested_version=true) lets another through
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 
-    run_ppo(vcfg, task_runner_class=OTBTaskRunner)
+    if vcfg.trainer.use_v1:
+        # verl's own TaskRunner: our trainer classes are registered in its process by otb_tir.verl.v1,
+        # which VERL_USE_EXTERNAL_MODULES (in the run's Ray runtime env) loads on `import verl`
+        run_ppo(vcfg, task_runner_class=TaskRunnerV1)
+    else:
+        from otb_tir.verl.task_runner import OTBTaskRunner
+
+        run_ppo(vcfg, task_runner_class=OTBTaskRunner)
     return 0
 
 

@@ -119,6 +119,9 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = 1e-6) -> 
     assert diff <= atol, f"max abs diff {diff} > {atol}"
 
 
+#: mask dtypes a caller may pass (verl's float, bool, int): every estimator treats nonzero as policy
+MASK_DTYPES = st.sampled_from([torch.float32, torch.bool, torch.int64])
+
 OTB_PAIRS = [
     ("optimal_token_baseline", "compute_optimal_token_baseline_advantage"),
     ("tir_optimal_token_baseline", "compute_multi_turn_optimal_token_baseline_advantage"),
@@ -135,7 +138,7 @@ OTB_PAIRS = [
     data=batches(),
     use_is=st.booleans(),
     handle_zero_tail=st.booleans(),
-    mask_dtype=st.sampled_from([torch.float32, torch.bool, torch.int64]),
+    mask_dtype=MASK_DTYPES,
 )
 def test_otb_equals_verl_float32(verl_algos, ours_name, verl_name, data, use_is, handle_zero_tail, mask_dtype):
     data = _with_options(data, use_is, mask_dtype)
@@ -441,7 +444,7 @@ def _pytorch_path(name: str, data: dict, **kw):
     data=batches(),
     use_is=st.booleans(),
     handle_zero_tail=st.booleans(),
-    mask_dtype=st.sampled_from([torch.float32, torch.bool, torch.int64]),
+    mask_dtype=MASK_DTYPES,
 )
 def test_fused_kernel_equals_the_pytorch_path(name, data, use_is, handle_zero_tail, mask_dtype):
     from otb_tir import fused

@@ -71,7 +71,11 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     assert algo.adv_estimator == "tir_optimal_token_baseline"
     assert actor.calculate_sum_pi_squared is True and actor.use_fused_kernels is False
     assert model.use_fused_kernels is False and model.path == str(Path(cfg.model.path).resolve())
-    assert v.trainer.use_v1 is False  # v1 never passes sum_pi_squared to the estimator
+    # verl's default V1 trainer in sync mode, through our class (verl's lacks the Σπ² step); on-policy
+    assert v.trainer.use_v1 is True and v.trainer.v1.trainer_mode == "otb_sync"
+    assert v.algorithm.rollout_correction.rollout_is is None
+    env_vars = v.ray_kwargs.ray_init.runtime_env.env_vars
+    assert "otb_tir.verl.v1" in env_vars.VERL_USE_EXTERNAL_MODULES.split(",")
     assert v.critic.enable is False
     # rollout / multi-turn
     assert rollout.name == "vllm" and rollout.mode == "async" and rollout.n == 4 and rollout.temperature == 0.9
@@ -296,7 +300,7 @@ def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_mo
         assert not any(a.startswith("OTB_TIR_VERL_CPU=") for a in argv)  # the GPU command: no CPU profile
         saved = OmegaConf.load(out / "verl_config.yaml")
         assert saved.actor_rollout_ref.rollout.name == rollout and saved.trainer.n_gpus_per_node == 8
-        assert saved.trainer.nnodes == 2 and saved.trainer.use_v1 is False
+        assert saved.trainer.nnodes == 2 and saved.trainer.use_v1 is True
         assert not (out / "metrics.jsonl").exists() and not (out / "verl.log").exists()  # nothing ran
     calls = []
     monkeypatch.setattr(
@@ -304,8 +308,17 @@ def test_dry_run_prints_the_exact_gpu_command_and_the_child_runs_run_ppo(tiny_mo
     )
     assert launch_main([str(tmp_path / "vllm" / "verl_config.yaml")]) == 0
     config, runner = calls[0]
-    assert runner is OTBTaskRunner and config.algorithm.adv_estimator == "tir_optimal_token_baseline"
+    assert runner is main_ppo.TaskRunnerV1 and config.algorithm.adv_estimator == "tir_optimal_token_baseline"
     assert config.actor_rollout_ref.actor.calculate_sum_pi_squared is True
+    assert config.trainer.v1.trainer_mode == "otb_sync"
+    # the legacy trainer: verl's RayPPOTrainer under our TaskRunner
+    out = tmp_path / "legacy"
+    args = [*BASE, f"trainer.output_dir={out}", "verl.dry_run=true", "verl.trainer_mode=legacy"]
+    assert train_main([*args, "--model", str(tiny_model_dir)]) == 0
+    capsys.readouterr()
+    assert launch_main([str(out / "verl_config.yaml")]) == 0
+    config, runner = calls[1]
+    assert runner is OTBTaskRunner and config.trainer.use_v1 is False
 
 
 def test_missing_verl_gives_one_clear_error(monkeypatch):
@@ -314,3 +327,68 @@ def test_missing_verl_gives_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "verl", None)
     with pytest.raises(ConfigError, match=r"pip install 'otb-tir\[verl\]'"):
         require_verl()
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async", "legacy"])
+def test_one_key_selects_the_trainer_and_the_async_modes_get_off_policy_defaults(tiny_model_dir, tmp_path, mode):
+    from otb_tir.verl.launch import ASYNC_MAX_OFF_POLICY, compose_verl_config, validate_verl_config
+
+    cfg = _cfg(tiny_model_dir, tmp_path, f"verl.trainer_mode={mode}")
+    v = compose_verl_config(cfg)
+    validate_verl_config(v)
+    assert v.trainer.use_v1 is (mode != "legacy")
+    if mode != "legacy":
+        assert v.trainer.v1.trainer_mode == f"otb_{mode}"
+    sampler = v.trainer.v1.sampler
+    if mode in ("colocate_async", "separate_async"):  # off-policy samples: IS weights on, staleness bounded
+        assert v.algorithm.rollout_correction.rollout_is == "token"
+        assert v.algorithm.rollout_correction.rollout_is_threshold == cfg.algorithm.rollout_is_threshold
+        assert sampler.max_off_policy_threshold == ASYNC_MAX_OFF_POLICY and sampler.max_off_policy_strategy == "wait"
+    else:
+        assert v.algorithm.rollout_correction.rollout_is is None
+    # the user's choices win: IS off explicitly, verl's sampler keys passed through
+    v = compose_verl_config(
+        _cfg(
+            tiny_model_dir,
+            tmp_path,
+            f"verl.trainer_mode={mode}",
+            "algorithm.rollout_is=false",
+            "verl.trainer.v1.sampler.max_off_policy_threshold=5",
+        )
+    )
+    assert v.algorithm.rollout_correction.rollout_is is None and v.trainer.v1.sampler.max_off_policy_threshold == 5
+
+
+def test_otb_with_bypass_mode_stops_at_start(tiny_model_dir, tmp_path):
+    from otb_tir.verl.launch import compose_verl_config
+
+    bypass = "verl.algorithm.rollout_correction.bypass_mode=true"
+    with pytest.raises(ConfigError, match="bypass_mode=true.*sum_pi_squared"):
+        compose_verl_config(_cfg(tiny_model_dir, tmp_path, bypass))
+    compose_verl_config(_cfg(tiny_model_dir, tmp_path, bypass, "algorithm.adv_estimator=grpo"))  # no Σπ² needed
+
+
+def test_separate_async_on_a_cpu_is_refused_with_the_reason(tiny_model_dir, tmp_path):
+    from otb_tir.verl.launch import prepare_verl
+
+    cfg = _cfg(tiny_model_dir, tmp_path, "verl.trainer_mode=separate_async", "trainer.device=cpu")
+    with pytest.raises(ConfigError, match="separate_async cannot run on this CPU.*checkpoint engine"):
+        prepare_verl(cfg)
+
+
+def test_an_untested_verl_version_stops_at_start_unless_allowed(tiny_model_dir, tmp_path, monkeypatch):
+    import verl
+
+    from otb_tir.verl import UNTESTED_ENV, check_verl_version
+    from otb_tir.verl.launch import prepare_verl
+
+    monkeypatch.delenv(UNTESTED_ENV, raising=False)
+    assert check_verl_version() == "0.9.1"
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    with pytest.raises(ConfigError, match=r"tested with verl 0\.9\.1.*has verl 0\.10\.0.*allow_untested_version=true"):
+        prepare_verl(_cfg(tiny_model_dir, tmp_path / "a", "verl.dry_run=true"))
+    assert not (tmp_path / "a" / "verl_config.yaml").exists()  # stopped before anything was written
+    info = prepare_verl(_cfg(tiny_model_dir, tmp_path / "b", "verl.dry_run=true", "verl.allow_untested_version=true"))
+    assert info["env"][UNTESTED_ENV] == "1"  # the run's processes (our V1 classes) let it through too
+    monkeypatch.setenv(UNTESTED_ENV, "1")
+    assert check_verl_version() == "0.10.0"
