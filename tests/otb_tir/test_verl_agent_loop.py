@@ -287,6 +287,39 @@ def test_server_manager_engine_contract():
         asyncio.run(ServerManagerEngine(Fake(TokenOutput(token_ids=[1], log_probs=None)), base).generate([5], params))
 
 
+def test_the_episode_reports_the_weight_versions_its_turns_used():
+    """verl's V1 trainer bounds and reports staleness from each trajectory's min/max weight version
+    (TransferQueue tags from the agent loop's extra_fields): over all turns of a multi-turn episode,
+    whether the server reports one version per turn (LLMServerClient: ``global_steps``) or a range
+    (FullyAsyncLLMServerClient after a resumed partial rollout: ``min_/max_global_steps``)."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    from agent_env.engines.base import SamplingParams
+    from otb_tir.verl.agent_loop import ServerManagerEngine
+
+    turns = iter(
+        [
+            TokenOutput(token_ids=[1], log_probs=[-1.0], extra_fields={"global_steps": 3}),
+            TokenOutput(
+                token_ids=[2],
+                log_probs=[-1.0],
+                extra_fields={"global_steps": 5, "min_global_steps": 4, "max_global_steps": 5},
+            ),
+            TokenOutput(token_ids=[3], log_probs=[-1.0], extra_fields={"global_steps": 5}),
+        ]
+    )
+
+    class Server:
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            return next(turns)
+
+    eng = ServerManagerEngine(Server(), {"temperature": 1.0})
+    assert eng.version_fields() == {}  # nothing generated yet: no version to report
+    for _ in range(3):
+        asyncio.run(eng.generate([5], SamplingParams(max_tokens=4)))
+    assert eng.version_fields() == {"min_global_steps": 3, "max_global_steps": 5}
+
+
 @pytest.mark.verl
 def test_prompt_longer_than_verls_budget_is_skipped_not_truncated(verl_setup, tiny_model_dir, tiny_tokenizer):
     """verl would left-truncate a prompt the policy never saw; we return an empty, reward-0 row."""

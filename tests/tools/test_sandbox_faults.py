@@ -165,3 +165,45 @@ def test_episode_metrics_count_the_retries(loop, tiny_tokenizer):
         assert m["tools/infra_retries"] == 1 and m["tools/success_rate"] == 1.0 and traj.reward == 1.0
     finally:
         loop.run_until_complete(t.close())
+
+
+def test_callers_that_give_up_during_the_start_do_not_stop_it_for_the_others(loop):
+    """Under load the pool's start can outlast a caller's tool-call timeout. Seen in verl's
+    colocate_async mode on 2 cores: each caller's 5 s timeout cancelled the start it had begun, the
+    next caller began another, and every tool call of the run timed out. The start is shared and
+    shielded: callers that give up leave it running, later callers get the started workers, and no
+    half-started worker is left behind."""
+    t = PythonTool(backend=BACKEND, workers=2, preload=LIGHT, cache=False, timeout=5.0)
+
+    async def scenario():
+        impatient = [asyncio.create_task(t.call({"code": f"print({i})"})) for i in range(4)]
+        await asyncio.sleep(0.05)  # the start is under way (bwrap workers take ~0.5-1 s)
+        for task in impatient:
+            task.cancel()
+        await asyncio.gather(*impatient, return_exceptions=True)
+        first = t.pool._start_task
+        assert first is not None and not first.cancelled()  # still starting for whoever comes next
+        results = await asyncio.gather(*(t.call({"code": f"print({i} + 1)"}) for i in range(4)))
+        assert t.pool._start_task is first  # the same start served them: none was begun again
+        return results
+
+    try:
+        results = loop.run_until_complete(scenario())
+        assert [r.text for r in results] == [f"{i + 1}\n" for i in range(4)] and all(r.ok for r in results)
+        assert len(t.pool.workers) == 2 and all(w.alive for w in t.pool.workers)
+    finally:
+        loop.run_until_complete(t.close())
+
+
+def test_close_during_the_start_stops_the_workers_it_launched(loop):
+    t = PythonTool(backend=BACKEND, workers=2, preload=LIGHT, cache=False, timeout=5.0)
+
+    async def scenario():
+        caller = asyncio.create_task(t.call({"code": "print(1)"}))
+        await asyncio.sleep(0.05)
+        await t.close()
+        return await caller
+
+    result = loop.run_until_complete(scenario())
+    assert not result.ok  # an error observation, never an exception
+    assert t.pool.workers == [] and t.pool._start_task is None

@@ -339,7 +339,10 @@ class WorkerPool:
         self._respawns: set[asyncio.Task] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.respawned = 0
-        self._start_lock: asyncio.Lock | None = None
+        # the one start in flight, shared by every caller: a caller that gives up (its tool-call timeout,
+        # a cancelled episode) must not cancel the start for the others, or under load each new caller
+        # would begin a start that the next timeout cancels again, and the pool would never come up
+        self._start_task: asyncio.Task | None = None
         self.closed = False  # close() was called: no call may start workers again until start()
 
     def _new_worker(self) -> WorkerProcess:
@@ -354,32 +357,52 @@ class WorkerPool:
             # used from a new event loop (e.g. a second asyncio.run): the old processes belong to
             # the old loop's transports, so replace them
             self.close_sync()
-        if self._start_lock is None or self.loop is not loop:
-            self._start_lock = asyncio.Lock()
+            self._start_task = None
+        task = self._start_task
+        if task is None or self.loop is not loop or task.done():  # none yet, or the last one failed
             self.loop = loop
-        async with self._start_lock:
-            if self._idle is not None:
-                return
-            t0 = time.perf_counter()
-            workers = [self._new_worker() for _ in range(self.size)]
+            task = self._start_task = loop.create_task(self._start_workers())
+        # shielded: cancelling this caller leaves the start running for the others
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                raise WorkerDied("the sandbox was closed while it started") from None  # by close()
+            raise
+
+    async def _start_workers(self) -> None:
+        if self._idle is not None:
+            return
+        t0 = time.perf_counter()
+        workers = [self._new_worker() for _ in range(self.size)]
+        try:
             results = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                for w in workers:
-                    await w.kill()
-                raise errors[0]
-            self.workers = workers
-            idle: asyncio.Queue[WorkerProcess] = asyncio.Queue()
+        except asyncio.CancelledError:  # close() during the start: stop what was launched
             for w in workers:
-                idle.put_nowait(w)
-            self._idle = idle
-            log.info(
-                "python sandbox: %d %s workers ready in %.2fs (%s)",
-                self.size,
-                self.backend.name,
-                time.perf_counter() - t0,
-                self.backend.level,
-            )
+                await w.kill()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for w in workers:
+                await w.kill()
+            raise errors[0]
+        if self.closed:  # closed while starting
+            for w in workers:
+                await w.close(grace=0.5)
+            raise WorkerDied("the sandbox was closed")
+        self.workers = workers
+        idle: asyncio.Queue[WorkerProcess] = asyncio.Queue()
+        for w in workers:
+            idle.put_nowait(w)
+        self._idle = idle
+        log.info(
+            "python sandbox: %d %s workers ready in %.2fs (%s)",
+            self.size,
+            self.backend.name,
+            time.perf_counter() - t0,
+            self.backend.level,
+        )
 
     async def acquire(self) -> WorkerProcess:
         """An idle, running worker. One that died while idle (OOM killer, an operator's kill) is
@@ -459,6 +482,13 @@ class WorkerPool:
 
     async def close(self) -> None:
         self.closed = True
+        start, self._start_task = self._start_task, None
+        if start is not None and not start.done() and start.get_loop() is asyncio.get_running_loop():
+            start.cancel()
+            try:
+                await start
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
         for t in list(self._respawns):
             t.cancel()
         for t in list(self._respawns):
@@ -472,6 +502,7 @@ class WorkerPool:
         self.loop = None
 
     def close_sync(self) -> None:
+        self._start_task = None
         for w in self.workers:
             w.kill_sync()
         self.workers = []
