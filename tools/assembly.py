@@ -23,6 +23,7 @@ trainer writes into ``summary.json`` and the evaluation into its report.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -64,6 +65,16 @@ class ToolSet(dict):
             rec["isolation"] = _isolation(self[name])
             out.append(rec)
         return out
+
+    async def start(self) -> None:
+        """Start the tools that have a start-up (sandbox worker pools) now, together, instead of in
+        their first call, where the start-up would count against that call's timeout. Idempotent; a
+        start that fails is logged and left to the first call (which then answers an error)."""
+        names = [name for name, tool in self.items() if callable(getattr(tool, "start", None))]
+        results = await asyncio.gather(*(self[name].start() for name in names), return_exceptions=True)
+        for name, result in zip(names, results):
+            if isinstance(result, Exception):
+                logger.warning("starting tool %r failed: %s", name, result)
 
     async def close(self) -> None:
         for tool in self.values():

@@ -53,6 +53,7 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
 from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E402
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
 from agent_env.tool_metrics import COUNT_KEYS, episode_counts  # noqa: E402
+from tools.assembly import ToolSet  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +283,11 @@ class OTBToolAgentLoop(AgentLoopBase):
         reward_model = kwargs.get("reward_model") or {}
         ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
         env = self._env()
+        # the sandbox pools start before the episode, shared by the worker's episodes: under load the
+        # start-up can take longer than a tool call's timeout, and in the first call it would count
+        # against it (seen in colocate_async: the first two batches' tool calls all timed out)
+        if isinstance(env.tools, ToolSet):
+            await env.tools.start()
         want_logprobs = bool(sampling_params.get("logprobs", False))
 
         prompt_ids = env.encode(env.render(env.initial_messages(messages), add_generation_prompt=True))

@@ -191,3 +191,37 @@ def test_a_yaml_with_no_tools_and_no_names_says_so(tmp_path):
     path = _yaml(tmp_path, "tools: []\n")
     with pytest.raises(ToolError, match="yields no tools: multi_turn.tools is empty and the tools YAML .* lists none"):
         build_tool_set([], None, path)
+
+
+def test_a_tool_set_starts_its_sandboxes_before_the_first_call():
+    """ToolSet.start() starts every tool that has a start-up (the sandbox pools), once: the first call
+    then pays no start-up inside its timeout; a tool without start() is left alone."""
+    import asyncio
+
+    from tools import build_tool_set, tool
+
+    @tool
+    def echo(text: str) -> str:
+        """Echo."""
+        return text
+
+    ts = build_tool_set(["python", "calculator"])
+    ts[echo.name] = echo  # a tool without a start-up
+
+    async def scenario():
+        await ts.start()
+        pools = [ts["python"].pool, ts["calculator"].sandbox.pool]
+        assert all(p._idle is not None and p.workers for p in pools)
+        workers = [list(p.workers) for p in pools]
+        await ts.start()  # idempotent: the same workers
+        assert [list(p.workers) for p in pools] == workers
+        r = await ts["calculator"].call({"expression": "6*7"})
+        return r
+
+    loop = asyncio.new_event_loop()
+    try:
+        r = loop.run_until_complete(scenario())
+        assert r.ok and "42" in r.text
+    finally:
+        loop.run_until_complete(ts.close())
+        loop.close()
