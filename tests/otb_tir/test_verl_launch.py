@@ -4,6 +4,7 @@ TaskRunner that installs the plugin first. Ray and training are never started he
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -392,3 +393,19 @@ def test_an_untested_verl_version_stops_at_start_unless_allowed(tiny_model_dir, 
     assert info["env"][UNTESTED_ENV] == "1"  # the run's processes (our V1 classes) let it through too
     monkeypatch.setenv(UNTESTED_ENV, "1")
     assert check_verl_version() == "0.10.0"
+
+
+def test_a_gpu_run_never_imports_the_cpu_layer(tiny_model_dir, tmp_path):
+    """The GPU command is composed without importing otb_tir.verl.cpu (its patches, the CPU platform):
+    in a fresh interpreter, as a user on a GPU machine would run it (trainer.device=cuda, dry run)."""
+    argv = [*BASE, f"trainer.output_dir={tmp_path}", "verl.dry_run=true", "--model", str(tiny_model_dir)]
+    code = (
+        "import sys\n"
+        "from otb_tir.train import main\n"
+        f"rc = main({argv!r})\n"
+        "assert rc == 0\n"
+        "assert 'otb_tir.verl.cpu' not in sys.modules, 'the CPU layer was imported'\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
