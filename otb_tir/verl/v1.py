@@ -307,11 +307,9 @@ class OTBTrainerMixin:
 
         from otb_tir.verl.glue import wrapped_v1_advantage
 
-        extra = None
-        if self._otb_spi2:
-            extra = tq.kv_batch_get(
-                keys=batch.keys, partition_id=batch.partition_id, select_fields=[SPI2_FIELD, "response_mask"]
-            )
+        # the rows' response lengths (tool tokens vs padding for the contract check), and Σπ² when asked for
+        fields = [SPI2_FIELD, "response_mask"] if self._otb_spi2 else ["response_mask"]
+        extra = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         self._otb_adv_metrics = {}
         hook = functools.partial(self._otb_advantage, extra)
         with self._otb_phase("adv"), wrapped_v1_advantage(hook):
@@ -330,7 +328,7 @@ class OTBTrainerMixin:
         # The estimator's inputs are float32 here, as on the legacy path; the stored log-probs are untouched.
         if "old_log_probs" in b.keys() and b["old_log_probs"].dtype != torch.float32:
             b["old_log_probs"] = b["old_log_probs"].float()
-        if extra is not None:
+        if extra is not None and SPI2_FIELD in extra.keys():
             spi2 = _pad(extra[SPI2_FIELD], width).float()
             if spi2.shape != b["response_mask"].shape:  # pragma: no cover - verl keeps row order
                 raise RuntimeError(

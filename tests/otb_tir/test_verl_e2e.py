@@ -159,11 +159,14 @@ def test_the_readme_verl_command_trains_two_steps_and_writes_what_the_local_trai
     assert v.actor_rollout_ref.rollout.agent.default_agent_loop == "otb_tir_agent"
 
 
-def _assert_contract_and_sum_pi_squared(steps: dict[int, dict]) -> None:
+def _assert_contract_and_sum_pi_squared(steps: dict[int, dict], tools_every_step: bool = True) -> None:
     """Checked inside the run on verl's own batch (otb_tir.verl.hooks.check_contract) and logged; the
-    variance proxies (verl's compute_variance_proxy_metrics) exist only if the actor's Σπ² arrived."""
+    variance proxies (verl's compute_variance_proxy_metrics) exist only if the actor's Σπ² arrived.
+    ``tools_every_step=False``: at lr=0.1 the policy may stop calling tools after its first update
+    (seen: step 3 of colocate_async all length-capped, no tool call); the warm start at step 1 does."""
+    assert steps[min(steps)]["contract/tool_tokens"] > 0  # multi-turn rows with tool responses inside
     for step, r in steps.items():
-        assert r["contract/tool_tokens"] > 0, step  # multi-turn rows with tool responses inside
+        assert r["contract/tool_tokens"] > 0 or not tools_every_step, step
         assert r["contract/tool_token_adv_max_abs"] == 0.0 and r["contract/pad_adv_max_abs"] == 0.0
         assert r["contract/reward_off_last_policy_token"] == 0.0
         # ours vs verl's tir_optimal_token_baseline, fp32: equal up to the order of verl's torch.sum over a group
@@ -216,7 +219,7 @@ def test_each_trainer_mode_keeps_the_contract_and_gets_sum_pi_squared(mode_runs)
     out = outs["synced"]
     steps = _steps(out)
     assert sorted(steps) == list(range(1, MODES[mode] + 1))
-    _assert_contract_and_sum_pi_squared(steps)
+    _assert_contract_and_sum_pi_squared(steps, tools_every_step=False)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_mode"] == mode and summary["steps"] == MODES[mode]
     from omegaconf import OmegaConf
