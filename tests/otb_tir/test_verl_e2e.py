@@ -182,11 +182,11 @@ def test_the_batch_verl_built_keeps_the_multi_turn_contract(readme_run):
     _assert_contract_and_sum_pi_squared(_steps(readme_run))
 
 
-# Each V1 trainer mode, twice at a high learning rate: as is ("synced") and with the vLLM worker skipping
-# every post-update weight load (tests/support/verl_faults.py); the legacy trainer once. 8 prompts x 4 samples: step 1 must
-# update the actor (a batch whose groups all have equal rewards has zero advantages and leaves nothing
-# to sync; with 2 prompts that happened in CI). The async mode runs 3 steps: its samples at step >= 2
-# can come from the weights before the last update (staleness > 0).
+# Each V1 trainer mode, twice at a high learning rate: as is ("synced") and with the vLLM worker
+# skipping every post-update weight load (tests/support/verl_faults.py); the legacy trainer once.
+# 8 prompts x 4 samples: step 1 must update the actor (a batch whose groups all have equal rewards has
+# zero advantages and leaves nothing to sync; with 2 prompts that happened in CI). The async mode runs
+# 3 steps: its samples at step >= 2 can come from the weights before the last update (staleness > 0).
 MODES = {"sync": 2, "colocate_async": 3, "legacy": 2}
 HIGH_LR = [*SMALL, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.optim.lr=0.1"]
 
