@@ -137,6 +137,9 @@ def test_the_readme_verl_command_trains_two_steps_and_writes_what_the_local_trai
         for phase in ("gen", "old_log_prob", "adv", "update_actor", "update_weights", "step", "trainer_idle"):
             assert r[f"timing/{phase}_s"] >= 0.0, (step, phase)
         assert r["tools/calls"] > 0 and r["actor/grad_norm"] > 0  # tools were called, the actor was updated
+        # V1 sync: on-policy (every sample at lag 0), and how long each side waited on the other
+        assert r["staleness/samples"] > 0 and r["staleness/lag_0"] == r["staleness/samples"]
+        assert r["staleness/max"] == 0 and r["timing/rollout_idle_s"] >= 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer"] == "verl" and summary["device"] == "cpu" and summary["steps"] == 2
     assert summary["adv_estimator"] == "tir_optimal_token_baseline"
@@ -187,7 +190,8 @@ def test_the_batch_verl_built_keeps_the_multi_turn_contract(readme_run):
 # 8 prompts x 4 samples: step 1 must update the actor (a batch whose groups all have equal rewards has
 # zero advantages and leaves nothing to sync; with 2 prompts that happened in CI). The async mode runs
 # 3 steps: its samples at step >= 2 can come from the weights before the last update (staleness > 0).
-MODES = {"sync": 2, "colocate_async": 3, "legacy": 2}
+# (V1 sync is the README's run above; its weight transfer is colocate_async's, whose control runs here)
+MODES = {"colocate_async": 3, "legacy": 2}
 HIGH_LR = [*SMALL, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.optim.lr=0.1"]
 
 

@@ -198,15 +198,13 @@ def test_a_tool_set_starts_its_sandboxes_before_the_first_call():
     then pays no start-up inside its timeout; a tool without start() is left alone."""
     import asyncio
 
-    from tools import build_tool_set, tool
+    from tools import build_tool_set
 
-    @tool
-    def echo(text: str) -> str:
-        """Echo."""
-        return text
+    class NoStartUp:  # a tool with nothing to start (not registered: the registry is process-wide)
+        name = "no_start_up"
 
     ts = build_tool_set(["python", "calculator"])
-    ts[echo.name] = echo  # a tool without a start-up
+    ts[NoStartUp.name] = NoStartUp()
 
     async def scenario():
         await ts.start()
