@@ -76,7 +76,6 @@ __all__ = [
 ]
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
-V1_MODES = ("sync", "colocate_async", "separate_async")
 ASYNC_MODES = ("colocate_async", "separate_async")
 #: our default staleness bound in the asynchronous modes (verl's max_off_policy_threshold: the number of
 #: weight versions a prompt's samples may span, counting the one it was queued at) and its strategy
@@ -410,8 +409,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         env_vars["OTB_TIR_LOGGERS"] = "jsonl,tensorboard" if "tensorboard" in cfg.trainer.loggers else "jsonl"
         env_vars["OTB_TIR_RESUME"] = "1" if cfg.trainer.resume else "0"  # a resumed run appends to metrics.jsonl
         # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
-        external = [m for m in str(env_vars.get("VERL_USE_EXTERNAL_MODULES", "")).split(",") if m]
-        env_vars["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(["otb_tir.verl.v1", *external]))
+        env_vars["VERL_USE_EXTERNAL_MODULES"] = _with_v1_modes(env_vars.get("VERL_USE_EXTERNAL_MODULES"))
         runtime_env["env_vars"] = env_vars
     _apply_user_overrides(v, parsed)
     from otb_tir.verl.v1 import check_bypass
@@ -421,6 +419,12 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return v
+
+
+def _with_v1_modes(modules: Any) -> str:
+    """``VERL_USE_EXTERNAL_MODULES`` with our V1 trainer modes added (once, after what was there)."""
+    listed = [m for m in str(modules or "").split(",") if m]
+    return ",".join(dict.fromkeys([*listed, "otb_tir.verl.v1"]))
 
 
 def rollout_is(cfg: DictConfig) -> bool:
@@ -518,15 +522,12 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
     if cfg.verl.allow_untested_version:
         env[UNTESTED_ENV] = "1"
     # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
-    external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-    env["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(["otb_tir.verl.v1", *external]))
+    env["VERL_USE_EXTERNAL_MODULES"] = _with_v1_modes(os.environ.get("VERL_USE_EXTERNAL_MODULES"))
     if device == "cpu":
         from otb_tir.verl import cpu
 
         cpu_vars = cpu.cpu_env()
-        cpu_vars["VERL_USE_EXTERNAL_MODULES"] = ",".join(
-            dict.fromkeys([*cpu_vars["VERL_USE_EXTERNAL_MODULES"].split(","), "otb_tir.verl.v1"])
-        )
+        cpu_vars["VERL_USE_EXTERNAL_MODULES"] = _with_v1_modes(cpu_vars["VERL_USE_EXTERNAL_MODULES"])
         env.update(cpu_vars)
         with open_dict(vcfg):
             vcfg.ray_kwargs.ray_init.runtime_env.env_vars.update(env)

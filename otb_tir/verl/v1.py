@@ -51,6 +51,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from otb_tir.verl.hooks import OTB_ESTIMATORS
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -68,7 +70,6 @@ __all__ = [
 MODES = {"otb_sync": "sync", "otb_colocate_async": "colocate_async", "otb_separate_async": "separate_async"}
 #: the TransferQueue field holding Σπ² over the response (verl's actor writes it over prompt + response)
 SPI2_FIELD = "sum_pi_squared_response"
-OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def _estimator_name(config: Any) -> str:
