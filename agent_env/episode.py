@@ -40,7 +40,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from agent_env import EnvError
 from agent_env.engines.base import Engine, SamplingParams
-from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer, math_reward
+from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer
 from agent_env.parsers import ParsedCall, get_parser
 from agent_env.tool_metrics import MALFORMED_KINDS
 
@@ -87,7 +87,7 @@ class EpisodeConfig:
     beginning and the end, the middle is cut), with ``truncation_marker`` where text was cut.
     """
 
-    format: Literal["hermes", "code_block"] = "hermes"
+    format: str = "hermes"  # a tool-call parser name (agent_env.parsers)
     # The tool set, for AgentEnv(tools=None): tools.build_tool_set(tools, tool_config, tool_config_path).
     # tools=None: [python, calculator] unless tool_config_path (a verl-style tools YAML) is set.
     tools: list[str] | None = None
@@ -110,6 +110,9 @@ class EpisodeConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     on_template_mismatch: Literal["record", "error"] = "record"
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # the task (agent_env.tasks.TASKS name or path): its reward is the default one, its answer
+    # extraction (if it has one) decides when a turn is an answer; None = the math task's
+    task: str | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs = _renamed(kwargs)
@@ -289,6 +292,8 @@ class Trajectory:
     template_mismatch: str | None
     timings: dict[str, float]
     ground_truth: Any = None
+    data_source: str | None = None  # the data row's data_source (chooses the reward: reward.per_data_source)
+    extra_info: dict[str, Any] = field(default_factory=dict)  # the data row's extra_info (passed to the reward)
     sample_index: int = 0
 
     @property
@@ -351,7 +356,8 @@ class AgentEnv:
     ``tools`` is a mapping name → :class:`tools.Tool` or a sequence of tools; ``None`` builds the
     tool set of ``config`` with :func:`tools.build_tool_set` (and :meth:`close` closes them).
     ``reward_fn(response_text, ground_truth, trajectory)`` returns a :class:`RewardResult` or a
-    float; the default is :func:`agent_env.math_task.reward.math_reward` with ``config.reward``.
+    float; the default is the reward section's (:class:`agent_env.rewards.RewardScorer`: the math
+    reward unless the section or the task names another).
     """
 
     def __init__(
@@ -385,6 +391,17 @@ class AgentEnv:
                 f"the episode's tools {sorted(self.tools)}"
             )
         self.reward_fn = reward_fn
+        from agent_env.rewards import RewardScorer
+        from agent_env.tasks import get_task
+
+        self.task = get_task(self.config.task) if self.config.task else None
+        self._extract = self.task.extract_answer if self.task is not None else None
+        # the reward section's functions, resolved now: one that does not import stops the run here
+        self.scorer = (
+            RewardScorer(self.config.reward, default=self.task.reward if self.task else None, extract=self._extract)
+            if reward_fn is None
+            else None
+        )
         self._tool_schemas = [t.schema() for t in self.tools.values()] or None
         self._template_name = f"the chat template of tokenizer {getattr(tokenizer, 'name_or_path', '?')!r}"
         if not getattr(tokenizer, "chat_template", None):
@@ -539,6 +556,8 @@ class AgentEnv:
         seed: int | None = None,
         sample_index: int = 0,
         activity: _Activity | None = None,
+        data_source: str | None = None,
+        extra_info: Mapping[str, Any] | None = None,
     ) -> Trajectory:
         """Run one episode with ``engine`` and return its :class:`Trajectory`."""
         cfg = self.config
@@ -604,7 +623,7 @@ class AgentEnv:
                 strip_last = ended and (ids[-1] in self.stop_ids or ids[-1] in self._special_ids)
                 content = self.decode(ids[:-1]) if strip_last else text
                 calls = self.parser.parse(content)
-                answer, _ = extract_answer(content)
+                answer = self.extract_answer(content)
                 turn = TurnRecord(
                     index=t,
                     start=start,
@@ -640,7 +659,12 @@ class AgentEnv:
                 records = await asyncio.gather(*(self._run_call(c, session_id, sem, activity) for c in calls))
                 timings["tools_s"] += time.perf_counter() - k0
                 turn.tool_calls = list(records)
-                obs = [{"role": "tool", "content": self.parser.format_observation(r.text)} for r in records]
+                # a parser may build the messages itself (tool roles, ids, names); the hook is optional
+                tool_messages = getattr(self.parser, "tool_messages", None)
+                if tool_messages is not None:
+                    obs = list(tool_messages(records, calls))
+                else:
+                    obs = [{"role": "tool", "content": self.parser.format_observation(r.text)} for r in records]
                 delta_text, mm = self._delta(prompt_ids + resp, messages, obs)
                 if mm and mismatch is None:
                     mismatch = f"turn {t}: {mm}"
@@ -690,13 +714,15 @@ class AgentEnv:
             template_mismatch=mismatch,
             timings=timings,
             ground_truth=ground_truth,
+            data_source=None if data_source is None else str(data_source),
+            extra_info=dict(extra_info or {}),
             sample_index=sample_index,
         )
         r0 = time.perf_counter()
         if activity:
             activity.enter("reward")
         try:
-            self._score(traj)
+            await self._score(traj)
         finally:
             if activity:
                 activity.leave("reward")
@@ -735,7 +761,18 @@ class AgentEnv:
             raise EnvError(msg)
         logger.warning(msg)
 
-    def _score(self, traj: Trajectory) -> None:
+    def extract_answer(self, text: str) -> str | None:
+        """The final answer in ``text``: the task's extraction, else the math one (``\\boxed``, "answer:")."""
+        if self._extract is not None:
+            try:
+                found = self._extract(text)
+            except Exception as exc:  # noqa: BLE001 - a user's extractor must not end the run
+                logger.warning("the task's extract_answer raised %s: %s", type(exc).__name__, exc)
+                return None
+            return found if isinstance(found, str) and found else None
+        return extract_answer(text)[0]
+
+    async def _score(self, traj: Trajectory) -> None:
         # Score only what the model wrote (tool outputs are not its answer), without stop tokens.
         parts = []
         for tr in traj.turns:
@@ -747,8 +784,8 @@ class AgentEnv:
         if self.reward_fn is not None:
             res = self.reward_fn(text, traj.ground_truth, traj)
         else:
-            n_ok = sum(c.ok for tr in traj.turns for c in tr.tool_calls)
-            res = math_reward(text, traj.ground_truth, config=self.config.reward, num_successful_tool_calls=n_ok)
+            assert self.scorer is not None
+            res = await self.scorer.score(text, traj)
         if isinstance(res, RewardResult):
             traj.reward, traj.reward_details = float(res.reward), dict(res.details)
         else:

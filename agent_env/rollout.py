@@ -87,7 +87,7 @@ def _normalize_prompts(prompts: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, Mapping)):
-            out.append({"prompt": p, "ground_truth": None, "uid": None})
+            out.append({"prompt": p, "ground_truth": None, "uid": None, "data_source": None, "extra_info": None})
         elif isinstance(p, Mapping):
             if "prompt" not in p:
                 raise EnvError(
@@ -95,7 +95,15 @@ def _normalize_prompts(prompts: Sequence[Any]) -> list[dict[str, Any]]:
                     "{'prompt': str | messages, 'ground_truth': ..., 'uid': optional}"
                 )
             gt = p.get("ground_truth", p.get("answer"))
-            out.append({"prompt": p["prompt"], "ground_truth": gt, "uid": p.get("uid")})
+            out.append(
+                {
+                    "prompt": p["prompt"],
+                    "ground_truth": gt,
+                    "uid": p.get("uid"),
+                    "data_source": p.get("data_source"),
+                    "extra_info": p.get("extra_info"),
+                }
+            )
         else:
             raise EnvError(f"prompt {i} must be a string, a list of chat messages or a mapping, got {type(p).__name__}")
     return out
@@ -224,6 +232,8 @@ async def rollout_async(
                 item["prompt"],
                 uid=uid,
                 ground_truth=item["ground_truth"],
+                data_source=item["data_source"],
+                extra_info=item["extra_info"],
                 seed=ep_seed,
                 sample_index=j,
                 activity=activity,

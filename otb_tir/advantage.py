@@ -48,10 +48,12 @@ import torch
 
 from otb_tir import ConfigError, fused
 from otb_tir.layout import mask_in_unit_interval, policy_counts_into
+from tools.registry import Registry
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ESTIMATORS",
     "AdvantageEstimator",
     "get_estimator",
     "grpo",
@@ -80,37 +82,52 @@ class AdvantageEstimator(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-_REGISTRY: dict[str, AdvantageEstimator] = {}
+def _check_estimator(obj: Any, name: str) -> None:
+    if not callable(obj):
+        raise ConfigError(f"advantage estimator {name!r} resolved to {obj!r}, which is not callable")
 
 
-def register_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: make an estimator available to :func:`get_estimator` under ``name``."""
+#: Every estimator name: the built-ins below, :func:`register_estimator`, entry points of group
+#: ``otb_tir.estimators`` and paths (``pkg.mod:fn`` / ``file.py:fn``), resolved by the one plugin
+#: mechanism (:class:`tools.registry.Registry`).
+ESTIMATORS = Registry(
+    "advantage estimator",
+    "otb_tir.estimators",
+    {
+        name: f"otb_tir.advantage:{name}"
+        for name in ("optimal_token_baseline", "tir_optimal_token_baseline", "grpo", "rloo")
+    },
+    error=ConfigError,
+    check=_check_estimator,
+)
+
+
+def register_estimator(name: str, *, replace: bool = False) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: make an estimator available to :func:`get_estimator` (and to
+    ``algorithm.adv_estimator``) under ``name``."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"estimator name must be a non-empty string, got {name!r}")
 
     def decorate(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ConfigError(f"an advantage estimator named {name!r} is already registered ({_REGISTRY[name]!r})")
-        _REGISTRY[name] = fn
+        if name in ESTIMATORS.builtins and not replace:
+            raise ConfigError(f"an advantage estimator named {name!r} is built in; pick another name")
+        ESTIMATORS.register(fn, name, replace=replace)
         return fn
 
     return decorate
 
 
 def list_estimators() -> list[str]:
-    """Names accepted by :func:`get_estimator`, sorted."""
-    return sorted(_REGISTRY)
+    """Names accepted by :func:`get_estimator` (besides paths), sorted."""
+    return ESTIMATORS.names()
 
 
 def get_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered under ``name`` (``algorithm.adv_estimator`` in configs)."""
+    """The estimator called ``name`` (``algorithm.adv_estimator`` in configs): a built-in, one
+    registered with :func:`register_estimator`, an ``otb_tir.estimators`` entry point, or a path
+    ``package.module:fn`` / ``path/to/file.py:fn``."""
     key = getattr(name, "value", name)  # accept verl's AdvantageEstimator enum members too
-    try:
-        return _REGISTRY[key]
-    except (KeyError, TypeError):
-        raise ConfigError(
-            f"unknown advantage estimator {name!r}; valid names: {', '.join(list_estimators())}"
-        ) from None
+    return ESTIMATORS.resolve(key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,7 +316,6 @@ def _fused_or_none(
 # estimators
 
 
-@register_estimator("optimal_token_baseline")
 @torch.no_grad()
 def optimal_token_baseline(
     token_level_rewards: torch.Tensor,
@@ -387,7 +403,6 @@ def optimal_token_baseline(
     return _finish(returns, baselines, maskf, out_dt)
 
 
-@register_estimator("tir_optimal_token_baseline")
 @torch.no_grad()
 def tir_optimal_token_baseline(
     token_level_rewards: torch.Tensor,
@@ -479,7 +494,6 @@ def _group_scores(
     return scores, group, members, n_groups, out_dt
 
 
-@register_estimator("grpo")
 @torch.no_grad()
 def grpo(
     token_level_rewards: torch.Tensor,
@@ -513,7 +527,6 @@ def grpo(
     return adv, adv
 
 
-@register_estimator("rloo")
 @torch.no_grad()
 def rloo(
     token_level_rewards: torch.Tensor,

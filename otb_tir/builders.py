@@ -5,6 +5,9 @@ evaluation and the verl launcher; none of them owns it (recipes wire them):
 * :func:`build_tools`: the tool set (``multi_turn``), by :func:`tools.build_tool_set`;
 * :func:`episode_config`: agent_env's episode settings from the ``rollout``, ``multi_turn`` and
   ``reward`` sections (:meth:`agent_env.EpisodeConfig.from_sections`, the one translation);
+* :func:`task`: the run's task (``data.task``), :func:`check_plugins`: every name a config gives
+  an extension point (task, tool-call format, rewards, estimator) resolved at start, and
+  :func:`resolved_plugins`: what they resolved to and from where (``summary.json``, the eval report);
 * :func:`resolve_device`, :func:`seed_everything`.
 """
 
@@ -16,7 +19,17 @@ from typing import Any
 
 from otb_tir import ConfigError
 
-__all__ = ["build_tools", "episode_config", "policy_path", "resolve_device", "seed_everything"]
+__all__ = [
+    "build_tools",
+    "check_plugins",
+    "episode_config",
+    "policy_path",
+    "resolve_device",
+    "resolved_plugins",
+    "seed_everything",
+    "task",
+    "task_split",
+]
 
 
 def seed_everything(seed: int) -> None:
@@ -50,7 +63,8 @@ def policy_path(cfg: Any) -> Path:
     from otb_tir.defaults.warm_start import task_warm_start
 
     m = cfg.model
-    return Path(task_warm_start(cfg.data.task, steps=m.warm_start_steps, copy_steps=m.warm_start_copy_steps))
+    warm = task(cfg).warm_start
+    return Path(task_warm_start(warm, steps=m.warm_start_steps, copy_steps=m.warm_start_copy_steps))
 
 
 def episode_config(cfg: Any, **overrides: Any) -> Any:
@@ -58,6 +72,7 @@ def episode_config(cfg: Any, **overrides: Any) -> Any:
     ``reward`` sections (verl's names), ``overrides`` (e.g. ``temperature``) applied last."""
     from agent_env import EpisodeConfig
 
+    overrides.setdefault("task", cfg.data.task)
     return EpisodeConfig.from_sections(cfg.rollout, cfg.multi_turn, cfg.reward, **overrides)
 
 
@@ -68,12 +83,132 @@ def build_tools(cfg: Any) -> Any:
     from tools import ToolError, build_tool_set
 
     mt = cfg.multi_turn
+    names = mt.tools
+    if names is None and not mt.tool_config_path and task(cfg).tools is not None:
+        names = list(task(cfg).tools)  # the task's tools when the run names none
     path = mt.tool_config_path
     if path:
         path = str(Path(path).expanduser())
         if not Path(path).is_file():
             raise ConfigError(f"multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
     try:
-        return build_tool_set(mt.tools, mt.tool_config, path)  # it takes OmegaConf containers as they are
+        return build_tool_set(names, mt.tool_config, path)  # it takes OmegaConf containers as they are
     except ToolError as e:
         raise ConfigError(f"tools: {e}") from None
+
+
+def task(cfg: Any) -> Any:
+    """The run's :class:`agent_env.tasks.Task` (``data.task``: a built-in, an ``otb_tir.tasks``
+    entry point or a path ``pkg.mod:task`` / ``file.py:task``); ConfigError if it does not resolve."""
+    from agent_env import EnvError
+    from agent_env.tasks import get_task
+
+    try:
+        return get_task(cfg.data.task)
+    except EnvError as e:
+        raise ConfigError(f"data.task: {e}") from None
+
+
+def task_split(cfg: Any, split: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` items of ``split`` from the run's task, checked: verl-format dicts with a prompt and a
+    ``reward_model.ground_truth`` (a user's task that returns something else is a ConfigError)."""
+    t = task(cfg)
+    try:
+        items = list(t.make_split(split, n, seed))
+    except Exception as e:  # noqa: BLE001 - a user's generator, named
+        raise ConfigError(
+            f"data.task={cfg.data.task}: make_split({split!r}, {n}, {seed}) failed: {type(e).__name__}: {e}"
+        ) from e
+    for i, it in enumerate(items):
+        if not isinstance(it, dict) or "prompt" not in it or not isinstance(it.get("reward_model"), dict):
+            raise ConfigError(
+                f"data.task={cfg.data.task}: item {i} of make_split({split!r}) is not a verl-format dict with "
+                f"'prompt' and 'reward_model': {str(it)[:200]}"
+            )
+        it.setdefault("data_source", t.data_source)
+    return items[:n]
+
+
+def _reward_specs(cfg: Any) -> dict[str, str]:
+    from agent_env.rewards import reward_spec
+
+    r = cfg.reward
+    default = reward_spec(r.custom_reward_function.path, r.custom_reward_function.name) or r.name or task(cfg).reward
+    specs = {"default": default}
+    specs.update({f"data_source {k}": str(v) for k, v in (r.per_data_source or {}).items()})
+    return specs
+
+
+def check_plugins(cfg: Any) -> None:
+    """Resolve every name the config gives an extension point, now, so that a plugin that does not
+    load stops the run at start with the reason: ``data.task``, ``multi_turn.format``, the reward
+    section's functions and (training) ``algorithm.adv_estimator``. Tools are checked when the tool
+    set is built (:func:`build_tools`)."""
+    from agent_env import EnvError
+    from agent_env.parsers import FORMATS
+    from agent_env.rewards import REWARDS
+
+    task(cfg)
+    try:
+        FORMATS.resolve(cfg.multi_turn.format)
+    except EnvError as e:
+        raise ConfigError(f"multi_turn.format: {e}") from None
+    for where, spec in _reward_specs(cfg).items():
+        try:
+            REWARDS.resolve(spec)
+        except EnvError as e:
+            raise ConfigError(f"reward ({where}): {e}") from None
+    if "algorithm" in cfg:
+        from otb_tir.advantage import ESTIMATORS
+
+        ESTIMATORS.resolve(cfg.algorithm.adv_estimator)  # raises ConfigError naming the problem
+
+
+def resolved_plugins(cfg: Any, tools: Any = None) -> dict[str, Any]:
+    """What each extension point resolved to and from where, for ``summary.json`` and the eval
+    report: ``{"task": {name, source}, "format": ..., "reward": {where: {reward, source}},
+    "estimator": ..., "tools": {name: source}}``."""
+    from agent_env.parsers import FORMATS
+    from agent_env.rewards import REWARDS
+    from agent_env.tasks import TASKS
+
+    out: dict[str, Any] = {
+        "task": {"name": cfg.data.task, "source": TASKS.source(cfg.data.task)},
+        "format": {"name": cfg.multi_turn.format, "source": FORMATS.source(cfg.multi_turn.format)},
+        "reward": {
+            where: {"reward": spec, "source": REWARDS.source(spec)} for where, spec in _reward_specs(cfg).items()
+        },
+    }
+    if "algorithm" in cfg:
+        from otb_tir.advantage import ESTIMATORS
+
+        est = cfg.algorithm.adv_estimator
+        out["estimator"] = {"name": est, "source": ESTIMATORS.source(est)}
+    if tools is not None:
+        describe = getattr(tools, "describe", None)
+        records = describe() if callable(describe) else [{"name": n, "source": "given"} for n in tools]
+        out["tools"] = {r["name"]: r["source"] for r in records}
+    return out
+
+
+def list_plugins() -> str:
+    """Every registered tool, reward, estimator, tool-call format and task, with where each comes
+    from (the console scripts' ``--list``)."""
+    from agent_env.parsers import FORMATS
+    from agent_env.rewards import REWARDS
+    from agent_env.tasks import TASKS
+    from otb_tir.advantage import ESTIMATORS
+    from tools.registry import TOOLS
+
+    lines = []
+    for title, reg in (
+        ("tools", TOOLS),
+        ("rewards", REWARDS),
+        ("advantage estimators", ESTIMATORS),
+        ("tool-call formats", FORMATS),
+        ("tasks", TASKS),
+    ):
+        lines.append(f"{title} (entry-point group {reg.group}; or a path pkg.mod:attr / file.py:attr):")
+        width = max((len(n) for n in reg.names()), default=0)
+        lines += [f"  {name:<{width}}  {source}" for name, source in reg.describe()]
+    return "\n".join(lines)

@@ -1,5 +1,6 @@
 """What ``otb-tir-train`` and ``otb-tir-eval`` share: the argument parser (shipped config, model,
-``--print-config``, dotted overrides before and after the options) and the ``--help`` listing of
+``--print-config``, ``--list`` of the extension points' names,
+dotted overrides before and after the options) and the ``--help`` listing of
 config sections."""
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def parser(prog: str, doc: str, schema: type, default_config: str, model_help: s
     )
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print every registered tool, reward, advantage estimator, tool-call format and task, "
+        "with where each comes from, and exit",
+    )
     return p
 
 
@@ -47,5 +54,10 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, example: str) 
     """Add the dotted overrides, parse (overrides before and after the options alike), set up logging."""
     p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
     args = p.parse_intermixed_args(argv)
+    if args.list:
+        from otb_tir.builders import list_plugins
+
+        print(list_plugins())
+        raise SystemExit(0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args

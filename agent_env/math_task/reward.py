@@ -27,29 +27,61 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardConfig", "RewardResult", "extract_answer", "extract_boxed", "math_reward", "answers_match"]
+__all__ = [
+    "CustomRewardFunction",
+    "RewardConfig",
+    "RewardResult",
+    "extract_answer",
+    "extract_boxed",
+    "math_reward",
+    "answers_match",
+]
+
+
+@dataclass
+class CustomRewardFunction:
+    """verl's ``reward.custom_reward_function``: a function ``name`` in the file or module ``path``."""
+
+    path: str | None = None  # a .py file or an importable module; null = none
+    name: str = "compute_score"  # compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
 @dataclass
 class RewardConfig:
     """Reward settings. Shaping terms are off (0.0) by default.
 
+    Which function scores a trajectory (:class:`agent_env.rewards.RewardScorer`):
+    ``per_data_source[data_source]``, else ``custom_reward_function`` (verl's path + name), else
+    ``name``, else the task's reward (``math`` for the built-in tasks). Names are those of
+    :data:`agent_env.rewards.REWARDS`: ``math``, ``exact_match``, ``f1``, entry points of group
+    ``otb_tir.rewards``, or paths ``pkg.mod:fn`` / ``file.py:fn``.
+
     ``format_bonus`` is added when a final answer could be extracted at all (even a wrong one);
     ``tool_use_bonus`` is added when the episode made at least one successful tool call;
-    ``correct_reward`` / ``incorrect_reward`` are the base values.
+    ``correct_reward`` / ``incorrect_reward`` are the base values (shaping applies to ``math``).
     """
+
+    # verl's custom reward function: {path: my_reward.py, name: compute_score}
+    custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
+    name: str | None = None  # a reward by name (math | exact_match | f1 | entry point | pkg.mod:fn | file.py:fn)
+    per_data_source: dict[str, str] = field(default_factory=dict)  # data_source -> reward name, wins over the above
 
     correct_reward: float = 1.0  # reward of a correct final answer
     incorrect_reward: float = 0.0  # reward of a wrong or missing answer
     format_bonus: float = 0.0  # added when a final answer could be extracted at all (even a wrong one)
     tool_use_bonus: float = 0.0  # added when at least one tool call succeeded
-    timeout_seconds: int = 5  # wall-clock bound on grading one answer (math-verify / sympy)
+    timeout_seconds: int = 5  # wall-clock bound on grading one answer (math-verify / sympy, or a user's function)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.custom_reward_function, Mapping):
+            self.custom_reward_function = CustomRewardFunction(**dict(self.custom_reward_function))
 
 
 @dataclass

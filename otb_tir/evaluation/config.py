@@ -26,7 +26,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "eval_tool_us
 
 @dataclass
 class EvalDataConfig:
-    task: str = "arith"  # built-in task when `files` is empty, as training's data.task.
+    task: str = "arith"  # the task when `files` is empty (a built-in or a plugin), as training's data.task.
     files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in held-out split
     size: int = 100  # first `size` problems (0 = all of the files)
 
@@ -73,16 +73,17 @@ class EvalConfig:
 
 EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "data.task": ("arith", "chain"),
     "rollout.name": ("hf", "vllm", "sglang"),
     "rollout.device": ("auto", "cpu", "cuda"),
     "rollout.dtype": ("float32", "bfloat16", "float16", "auto"),
-    "multi_turn.format": ("hermes", "code_block"),
     "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),
 }
 
 
 def _check(cfg: DictConfig) -> None:
+    from otb_tir.builders import check_plugins
+
+    check_plugins(cfg)
     for key in (
         "rollout.n",
         "rollout.response_length",

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from otb_tir import ConfigError, __version__
+from otb_tir.builders import resolved_plugins
 from otb_tir.evaluation.metrics import ERROR_KINDS, ISSUE_ERROR_KINDS, episode_record, figures, group_figures
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ DEFINITIONS = {
     "(agent_env.tool_metrics, the same definition as training's)",
     "tools/executed_success_rate": "calls that returned ok / calls that reached a tool",
     "errors/<kind>": "calls per error kind: " + ", ".join(ERROR_KINDS),
+    "plugins": "what each extension point resolved to and from where: task, tool-call format, reward(s), tools",
     "tool_set": "the tools in use: name, class, where it came from (built-in, entry point, tools YAML), "
     "its config and the sandbox's isolation level",
     "turns/hist/<t>": "share of episodes with t assistant turns",
@@ -112,6 +114,7 @@ def build_report(cfg: DictConfig, prep: Any, passes: dict[str, tuple[list, dict]
             "tools": sorted(prep.tools),
             "pass_k": pass_k,
             "tool_set": prep.tools.describe(),
+            "plugins": resolved_plugins(cfg, prep.tools),
             "max_assistant_turns": cfg.multi_turn.max_assistant_turns,
             "response_length": cfg.rollout.response_length,
             "format": cfg.multi_turn.format,

@@ -40,7 +40,8 @@ class Prepared:
 
 def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
     from agent_env import EnvError
-    from agent_env.math_task.data import load_parquet, make_split
+    from agent_env.math_task.data import load_parquet
+    from otb_tir.builders import task_split
 
     if cfg.data.files:
         missing = [f for f in cfg.data.files if not Path(f).expanduser().is_file()]
@@ -54,7 +55,7 @@ def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
                 raise ConfigError(f"data.files: {e}") from None
         desc = ", ".join(str(f) for f in cfg.data.files)
     else:
-        items = make_split("test", cfg.data.size, seed=0, task=cfg.data.task)  # training's val set
+        items = task_split(cfg, "test", cfg.data.size, seed=0)  # training's val set
         desc = f"built-in generator ({cfg.data.task} task), held-out split"
     if cfg.data.size:
         items = items[: cfg.data.size]
@@ -170,7 +171,13 @@ async def _run_pass(
     from agent_env import rollout_async
 
     prompts = [
-        {"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"], "uid": f"p{i}"}
+        {
+            "prompt": it["prompt"],
+            "ground_truth": it["reward_model"]["ground_truth"],
+            "uid": f"p{i}",
+            "data_source": it.get("data_source"),
+            "extra_info": it.get("extra_info"),
+        }
         for i, it in enumerate(items)
     ]
     log.info("%s: %d problems × n=%d episodes", label, len(items), cfg.rollout.n)

@@ -32,7 +32,7 @@ class ModelConfig:
 class DataConfig:
     # built-in task (generator, held-out split, warm start) when no files are given: arith (one
     # computation per problem) | chain (two dependent computations: a tool call whose result feeds the next).
-    task: str = "arith"
+    task: str = "arith"  # or a task plugin: an `otb_tir.tasks` entry point, pkg.mod:task or file.py:task
     train_files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in generator
     # verl-format parquet of held-out problems; empty → built-in held-out split
     val_files: list[str] = field(default_factory=list)
@@ -56,7 +56,9 @@ class RolloutConfig:
 
 @dataclass
 class MultiTurnConfig:
-    format: str = "hermes"  # hermes | code_block
+    # tool-call format: hermes | code_block | llama3_json | mistral | qwen3_coder | harmony, an `otb_tir.parsers`
+    # entry point, or a parser class by path (pkg.mod:Parser / file.py:Parser)
+    format: str = "hermes"
     max_assistant_turns: int = 3  # assistant turns per episode; calls on the last turn are not executed
     max_tool_response_length: int = 48  # tokens
     tool_response_truncate_side: str = "middle"  # head | tail | middle
@@ -107,7 +109,9 @@ class FilterConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "tir_optimal_token_baseline"  # | optimal_token_baseline | grpo | rloo
+    # tir_optimal_token_baseline | optimal_token_baseline | grpo | rloo, one registered with
+    # otb_tir.advantage.register_estimator, an `otb_tir.estimators` entry point, or pkg.mod:fn / file.py:fn
+    adv_estimator: str = "tir_optimal_token_baseline"
     handle_zero_tail: bool = True  # OTB: as verl's handle_zero_tail (zero baseline past a row's last policy token)
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's reward std
     # truncated token-level IS weights π_old/π_rollout passed to the estimator and the loss; null = auto:
@@ -183,14 +187,13 @@ class Config:
     verl: VerlConfig = field(default_factory=VerlConfig)
 
 
+# Fixed choices. The extension points (data.task, multi_turn.format, algorithm.adv_estimator, the
+# reward section's functions, the tools) take any name their registry resolves (otb_tir.builders.check_plugins).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "data.task": ("arith", "chain"),
     "rollout.name": ("auto", "hf", "vllm", "sglang"),
-    "multi_turn.format": ("hermes", "code_block"),
     "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),
     "actor.optim.lr_scheduler": ("constant", "cosine"),
-    "algorithm.adv_estimator": ("tir_optimal_token_baseline", "optimal_token_baseline", "grpo", "rloo"),
     "trainer.name": ("local", "verl"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.dist_backend": ("auto", "gloo", "nccl"),
@@ -223,6 +226,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def _check_ranges(cfg: DictConfig) -> None:
+    from otb_tir.builders import check_plugins
+
+    check_plugins(cfg)
     if cfg.rollout.name == "auto":  # the local trainer generates with HF; verl serves the policy with vLLM
         cfg.rollout.name = "vllm" if cfg.trainer.name == "verl" else "hf"
     positive = [

@@ -16,24 +16,25 @@ import torch
 from omegaconf import OmegaConf
 
 from otb_tir import ConfigError
-from otb_tir.builders import policy_path, resolve_device, seed_everything
+from otb_tir.builders import policy_path, resolve_device, resolved_plugins, seed_everything
 
 log = logging.getLogger(__name__)
 
 
 def load_items(cfg) -> tuple[list[dict], list[dict]]:
     """Training and held-out prompts: verl parquet files, or the built-in generator's splits."""
-    from agent_env.math_task.data import load_parquet, make_split
+    from agent_env.math_task.data import load_parquet
+    from otb_tir.builders import task_split
 
     if cfg.data.train_files:
         train = [row for f in cfg.data.train_files for row in load_parquet(f)]
     else:
-        train = make_split("train", cfg.data.train_size, seed=cfg.trainer.seed, task=cfg.data.task)
+        train = task_split(cfg, "train", cfg.data.train_size, seed=cfg.trainer.seed)
     if cfg.data.val_files:
         val = [row for f in cfg.data.val_files for row in load_parquet(f)]
     else:
         # the held-out set does not move with the seed
-        val = make_split("test", cfg.data.val_size, seed=0, task=cfg.data.task)
+        val = task_split(cfg, "test", cfg.data.val_size, seed=0)
     return train, val[: cfg.eval.size] if cfg.eval.size else val
 
 
@@ -185,6 +186,7 @@ def _run_with_tools(cfg, info, reward_fn, tools, device, t_start: float, out: Pa
         "steps": cfg.trainer.total_steps,
         "world_size": world,
         "tools": tools.describe(),
+        "plugins": resolved_plugins(cfg, tools),
     }
     try:
         resumed = trainer.maybe_resume()

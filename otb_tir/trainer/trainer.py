@@ -219,7 +219,13 @@ class Trainer:
         """Episodes of ``items``, the block of a global batch starting at index ``offset``: uids and
         episode seeds are those the same prompts get in a one-process rollout of the whole batch."""
         prompts = [
-            {"prompt": it["prompt"], "ground_truth": it["reward_model"]["ground_truth"], "uid": f"{seed}-{offset + i}"}
+            {
+                "prompt": it["prompt"],
+                "ground_truth": it["reward_model"]["ground_truth"],
+                "uid": f"{seed}-{offset + i}",
+                "data_source": it.get("data_source"),
+                "extra_info": it.get("extra_info"),
+            }
             for i, it in enumerate(items)
         ]
         # one persistent event loop for the whole run: the tools' sandbox workers (bound to the loop

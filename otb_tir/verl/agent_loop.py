@@ -19,8 +19,12 @@ max_parallel_calls, max_tool_response_length, tool_response_truncate_side}`` the
 arguments in the agent-loop YAML entry (see ``configs/agent_loop.yaml``): ``otb_tools`` (tool
 names for :func:`tools.get_tool`), ``tool_config`` (keyword config per tool), ``tool_config_path``
 (a verl-style tools YAML for :func:`tools.load_tools`, replaces ``otb_tools``),
-``max_tokens_per_turn``, ``tool_timeout``, ``system_prompt``, ``reward`` (shaping terms of
-:class:`agent_env.math_task.reward.RewardConfig`).
+``max_tokens_per_turn``, ``tool_timeout``, ``system_prompt``, ``reward`` (the reward section,
+:class:`agent_env.math_task.reward.RewardConfig`: which function scores each data source, bounded,
+and the math reward's shaping), ``otb_format`` (the tool-call format, any name of
+:data:`agent_env.parsers.FORMATS`; verl's ``multi_turn.format`` otherwise) and ``otb_task``
+(:data:`agent_env.tasks.TASKS`: its answer extraction and default reward). The reward is computed
+here, in verl's agent-loop worker, by the same resolved function local training and the eval use.
 
 Sampling: temperature / top-p / top-k come from verl's ``sampling_params`` (so validation's greedy
 ``temperature=0`` works); the episode adds ``max_tokens`` (per-turn cap, within what is left of R)
@@ -162,6 +166,8 @@ def episode_config_from_verl(
     reward: Mapping[str, Any] | None = None,
     tools: Sequence[str] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    format: str | None = None,
+    task: str | None = None,
 ) -> EpisodeConfig:
     """The :class:`EpisodeConfig` that verl's ``actor_rollout_ref.rollout`` section describes."""
     mt = rollout_config.multi_turn
@@ -171,10 +177,6 @@ def episode_config_from_verl(
         raise EnvError(
             f"rollout.multi_turn.tool_response_truncate_side={mt.tool_response_truncate_side!r}: "
             f"expected one of {sorted(_TRUNCATE_SIDE)}"
-        )
-    if mt.format not in ("hermes", "code_block"):
-        raise EnvError(
-            f"rollout.multi_turn.format={mt.format!r} is not supported by {AGENT_NAME}: use hermes or code_block"
         )
     # verl's sections carry the same names as ours (agent_env's EpisodeConfig.from_sections reads them);
     # what verl names differently, lacks, or means otherwise (its multi_turn.tool_config_path is a
@@ -192,6 +194,8 @@ def episode_config_from_verl(
         tool_timeout=tool_timeout,
         system_prompt=system_prompt,
         chat_template_kwargs=dict(chat_template_kwargs or {}),
+        format=str(format or mt.format),  # ours (agent-loop YAML's otb_format) wins over verl's key
+        task=task,
     )
 
 
@@ -233,6 +237,8 @@ class OTBToolAgentLoop(AgentLoopBase):
         tool_timeout: float | None = 10.0,
         system_prompt: str | None = None,
         reward: Mapping[str, Any] | None = None,
+        otb_format: str | None = None,
+        otb_task: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -255,6 +261,8 @@ class OTBToolAgentLoop(AgentLoopBase):
             reward=_plain(reward),
             tools=self.otb_tool_names,
             chat_template_kwargs=_plain(self.apply_chat_template_kwargs),
+            format=otb_format,
+            task=otb_task,
         )
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
@@ -324,7 +332,15 @@ class OTBToolAgentLoop(AgentLoopBase):
 
         engine = ServerManagerEngine(self.server_manager, sampling_params)
         uid = kwargs.get("uid")
-        traj = await env.run(engine, messages, uid=None if uid is None else str(uid), ground_truth=ground_truth)
+        extra_info = kwargs.get("extra_info")
+        traj = await env.run(
+            engine,
+            messages,
+            uid=None if uid is None else str(uid),
+            ground_truth=ground_truth,
+            data_source=kwargs.get("data_source"),
+            extra_info=dict(extra_info) if isinstance(extra_info, Mapping) else None,
+        )
         tool_rounds = sum(1 for t in traj.turns if t.obs_end > t.obs_start)
         return AgentLoopOutput(
             prompt_ids=list(traj.prompt_ids),

@@ -60,7 +60,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from otb_tir import ConfigError
 from otb_tir.builders import policy_path
 from otb_tir.verl import require_verl
+from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
 from tools import DEFAULT_TOOLS
+from tools.registry import absolute_path_name
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ __all__ = [
 ]
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+#: our built-in estimators verl has under the same name (its OTB two are swapped for ours by the plugin)
+VERL_BUILTIN_ESTIMATORS = (*OTB_ESTIMATORS, "grpo", "rloo")
 ASYNC_MODES = ("colocate_async", "separate_async")
 #: our default staleness bound in the asynchronous modes (verl's max_off_policy_threshold: the number of
 #: weight versions a prompt's samples may span, counting the one it was queued at) and its strategy
@@ -230,7 +234,14 @@ def _check_supported(cfg: DictConfig) -> None:
 
 
 def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
-    from agent_env.math_task.data import make_split, write_parquet
+    from agent_env.math_task.data import AGENT_NAME, write_parquet
+    from otb_tir.builders import task_split
+
+    def split(name: str, n: int, seed: int) -> list[dict[str, Any]]:
+        items = task_split(cfg, name, n, seed=seed)
+        for it in items:
+            it.setdefault("agent_name", AGENT_NAME)  # our agent loop runs a user task's items too
+        return items
 
     train = [str(Path(p).expanduser().resolve()) for p in cfg.data.train_files]
     val = [str(Path(p).expanduser().resolve()) for p in cfg.data.val_files]
@@ -239,30 +250,42 @@ def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
             raise ConfigError(f"data file not found: {p}")
     if not train:
         path = out / "data" / "train.parquet"
-        write_parquet(make_split("train", cfg.data.train_size, seed=cfg.trainer.seed, task=cfg.data.task), path)
+        write_parquet(split("train", cfg.data.train_size, cfg.trainer.seed), path)
         train = [str(path)]
     if not val:
         n = min(cfg.data.val_size, cfg.eval.size) if cfg.eval.size else cfg.data.val_size
         path = out / "data" / "test.parquet"
-        write_parquet(
-            make_split("test", n, seed=0, task=cfg.data.task), path
-        )  # the held-out set does not move with the seed
+        write_parquet(split("test", n, 0), path)  # the held-out set does not move with the seed
         val = [str(path)]
     return train, val
 
 
 def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
+    from otb_tir.builders import task
+
     mt = cfg.multi_turn
+    names = mt.tools
+    if names is None and not mt.tool_config_path:
+        names = task(cfg).tools or DEFAULT_TOOLS  # the task's tools, else the default set
+    reward = OmegaConf.to_container(cfg.reward, resolve=True)
+    crf = reward["custom_reward_function"]
+    if crf.get("path"):  # the workers run in other folders
+        crf["path"] = str(Path(crf["path"]).expanduser().resolve()) if crf["path"].endswith(".py") else crf["path"]
+    reward["per_data_source"] = {k: absolute_path_name(v) for k, v in reward["per_data_source"].items()}
+    if reward.get("name"):
+        reward["name"] = absolute_path_name(reward["name"])
     kwargs = {
         "_target_": AGENT_LOOP_TARGET,
-        # the names build_tool_set resolves (None → the default set, or only the YAML's tools)
-        "otb_tools": list(mt.tools) if mt.tools is not None else ([] if mt.tool_config_path else list(DEFAULT_TOOLS)),
+        # the names build_tool_set resolves ([] → only the YAML's tools)
+        "otb_tools": [absolute_path_name(n) for n in names] if names is not None else [],
+        "otb_format": absolute_path_name(mt.format),
+        "otb_task": absolute_path_name(cfg.data.task),
         "tool_config": OmegaConf.to_container(mt.tool_config, resolve=True),
         "tool_config_path": str(Path(mt.tool_config_path).expanduser().resolve()) if mt.tool_config_path else None,
         "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn),
         "tool_timeout": float(mt.tool_timeout),
         "system_prompt": None,
-        "reward": {k: float(v) for k, v in OmegaConf.to_container(cfg.reward).items()},
+        "reward": reward,
     }
     return [{"name": "otb_tir_agent", **kwargs}, {"name": "tool_agent", **kwargs}]
 
@@ -299,7 +322,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     mode = cfg.verl.trainer_mode
     settings: dict[str, Any] = {
         # algorithm
-        "algorithm.adv_estimator": cfg.algorithm.adv_estimator,
+        "algorithm.adv_estimator": verl_estimator_name(cfg.algorithm.adv_estimator),
         "algorithm.norm_adv_by_std_in_grpo": bool(cfg.algorithm.norm_adv_by_std_in_grpo),
         "algorithm.use_kl_in_reward": False,
         "critic.enable": False,
@@ -341,7 +364,9 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "actor_rollout_ref.rollout.val_kwargs.do_sample": float(cfg.eval.temperature) > 0,
         "actor_rollout_ref.rollout.val_kwargs.n": int(cfg.eval.n),
         "actor_rollout_ref.rollout.multi_turn.enable": True,
-        "actor_rollout_ref.rollout.multi_turn.format": cfg.multi_turn.format,
+        # verl's own key keeps a name verl knows; our agent loop takes the format (any registered name
+        # or path) from the agent-loop YAML's otb_format
+        "actor_rollout_ref.rollout.multi_turn.format": "hermes",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": int(cfg.multi_turn.max_assistant_turns),
         "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": int(cfg.multi_turn.max_parallel_calls),
         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": int(cfg.multi_turn.max_tool_response_length),
@@ -408,6 +433,9 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         # metrics.jsonl always (summary.json and the step count are read from it), TensorBoard when asked
         env_vars["OTB_TIR_LOGGERS"] = "jsonl,tensorboard" if "tensorboard" in cfg.trainer.loggers else "jsonl"
         env_vars["OTB_TIR_RESUME"] = "1" if cfg.trainer.resume else "0"  # a resumed run appends to metrics.jsonl
+        est = cfg.algorithm.adv_estimator
+        if est not in VERL_BUILTIN_ESTIMATORS:  # a user's estimator, registered in verl's registry by the plugin
+            env_vars[USER_ESTIMATOR_ENV] = f"{verl_estimator_name(est)}={absolute_path_name(est)}"
         # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
         env_vars["VERL_USE_EXTERNAL_MODULES"] = _with_v1_modes(env_vars.get("VERL_USE_EXTERNAL_MODULES"))
         runtime_env["env_vars"] = env_vars

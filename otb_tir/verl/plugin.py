@@ -22,7 +22,7 @@ from otb_tir.verl import require_verl
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ESTIMATOR_NAMES", "install", "installed", "uninstall"]
+__all__ = ["ESTIMATOR_NAMES", "USER_ESTIMATOR_ENV", "install", "installed", "uninstall", "verl_estimator_name"]
 
 ESTIMATOR_NAMES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
@@ -43,10 +43,44 @@ def _ours() -> dict[str, Callable[..., Any]]:
     return {"optimal_token_baseline": optimal_token_baseline, "tir_optimal_token_baseline": tir_optimal_token_baseline}
 
 
+#: ``<name verl uses>=<our estimator name or path>``, set by the launcher when
+#: ``algorithm.adv_estimator`` is a user's estimator (:func:`verl_estimator_name`)
+USER_ESTIMATOR_ENV = "OTB_TIR_USER_ESTIMATOR"
+
+
+def verl_estimator_name(name: str) -> str:
+    """The name verl's config and registry use for our estimator ``name``: the name itself, or, for
+    a path (``pkg.mod:fn`` / ``file.py:fn``), ``otb_user_<fn>``."""
+    from tools.registry import is_path_name
+
+    if is_path_name(name):
+        return "otb_user_" + name.rpartition(":")[2].replace(".", "_")
+    return name
+
+
+def _install_user_estimator(registry: dict[str, Callable[..., Any]]) -> None:
+    """Register the user's estimator named in :data:`USER_ESTIMATOR_ENV` in verl's registry (the
+    same function local training resolves: :data:`otb_tir.advantage.ESTIMATORS`)."""
+    import os
+
+    spec = os.environ.get(USER_ESTIMATOR_ENV)
+    if not spec:
+        return
+    verl_name, _, ours = spec.partition("=")
+    from otb_tir.advantage import get_estimator
+
+    fn = get_estimator(ours)
+    if registry.get(verl_name) is not fn:
+        registry[verl_name] = fn
+        logger.info("verl advantage estimator %r -> %s (%s)", verl_name, ours, getattr(fn, "__qualname__", fn))
+
+
 def install() -> dict[str, Callable[..., Any]]:
-    """Point verl's two OTB registry entries at ours (idempotent); returns verl's originals."""
+    """Point verl's two OTB registry entries at ours (idempotent), and register a user's estimator
+    (:data:`USER_ESTIMATOR_ENV`); returns verl's originals."""
     with _lock:
         registry = _registry()
+        _install_user_estimator(registry)
         ours = _ours()
         for name, fn in ours.items():
             current = registry.get(name)

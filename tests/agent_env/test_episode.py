@@ -570,7 +570,7 @@ def test_config_from_omegaconf_section():
     assert type(cfg.tool_config["python"]) is dict and type(cfg.tools) is list
     with pytest.raises(EnvError, match="bad reward config"):
         EpisodeConfig.from_dict({"reward": {"bonus": 1}})
-    with pytest.raises(EnvError, match="unknown tool-call parser"):
+    with pytest.raises(EnvError, match="unknown tool-call format"):
         EpisodeConfig.from_dict({"format": "xml"})
 
 

@@ -19,7 +19,7 @@ def call(name, args):
 def test_get_parser_by_name():
     assert isinstance(get_parser("hermes"), HermesParser)
     assert isinstance(get_parser("code_block"), CodeBlockParser)
-    with pytest.raises(EnvError, match="unknown tool-call parser 'xml'.*code_block.*hermes"):
+    with pytest.raises(EnvError, match="unknown tool-call format 'xml'.*code_block.*hermes"):
         get_parser("xml")
 
 

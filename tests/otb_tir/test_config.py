@@ -3,7 +3,8 @@
 import pytest
 
 from otb_tir import ConfigError
-from otb_tir.trainer.config import CHOICES, load_config
+from otb_tir.advantage import ESTIMATORS
+from otb_tir.trainer.config import load_config
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -23,7 +24,10 @@ def test_defaults_and_overrides(tmp_path):
         (["actor.optim.lrr=1"], "valid keys under 'actor.optim': lr"),
         (["foo=1"], "valid keys at the top level: model, data"),
         (["rollout.n=abc"], "bad value for 'rollout.n'"),
-        (["algorithm.adv_estimator=gae"], "must be one of tir_optimal_token_baseline"),
+        (["algorithm.adv_estimator=gae"], "unknown advantage estimator 'gae'; available advantage estimators: grpo"),
+        (["data.task=quiz"], "data.task: unknown task 'quiz'; available tasks: arith, chain"),
+        (["multi_turn.format=xml"], "multi_turn.format: unknown tool-call format 'xml'"),
+        (["reward.name=nope.py:score"], "reward (default): reward 'nope.py:score': file not found"),
         (["rollout"], "key=value"),
         (["rollout.n=0"], "'rollout.n' must be > 0"),
         (["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "multiple of"),
@@ -57,7 +61,7 @@ def test_shipped_configs_are_valid():
             load_eval_config(path)
             continue
         cfg = load_config(path)  # raises ConfigError on any unknown / ill-typed key
-        assert cfg.algorithm.adv_estimator in CHOICES["algorithm.adv_estimator"]
+        assert cfg.algorithm.adv_estimator in ESTIMATORS.builtins
 
 
 @pytest.mark.slow

@@ -118,7 +118,7 @@ def test_bad_sets_name_the_tool_and_the_reason(names, conf, match):
     "body, match",
     [
         ("tools:\n  - class_name: no_such_module.Tool\n", "tools\\[0\\].*cannot import module 'no_such_module'"),
-        ("tools:\n  - class_name: lookup_plugin.Nope\n", "module 'lookup_plugin' has no attribute 'Nope'"),
+        ("tools:\n  - class_name: lookup_plugin.Nope\n", "'lookup_plugin' has no attribute 'Nope'"),
         (
             "tools:\n  - class_name: lookup_plugin.Lookup\n    config: {bogus: 1}\n",
             "unknown config key\\(s\\) \\['bogus'\\].*valid keys: log_path, prefix",

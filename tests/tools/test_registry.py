@@ -30,9 +30,9 @@ def run(coro):
 @pytest.fixture
 def registered():
     """Names registered during a test are removed afterwards."""
-    before = set(tools.registry._REGISTRY)
+    before = set(tools.registry.TOOLS.registered())
     yield
-    for name in set(tools.registry._REGISTRY) - before:
+    for name in set(tools.registry.TOOLS.registered()) - before:
         unregister_tool(name)
 
 
