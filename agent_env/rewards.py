@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import math
 import re
 import string
@@ -44,11 +45,32 @@ from agent_env import EnvError
 from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer, math_reward
 from tools.registry import Registry
 
-__all__ = ["REWARDS", "MAX_ABANDONED", "RewardScorer", "exact_match", "f1", "math_score", "reward_spec"]
+__all__ = [
+    "ERROR_KINDS",
+    "REWARDS",
+    "MAX_ABANDONED",
+    "RewardScorer",
+    "exact_match",
+    "f1",
+    "math_score",
+    "reward_error_counts",
+    "reward_spec",
+]
 
 #: hung calls of one function abandoned before its further calls fail at once (``stuck``)
 MAX_ABANDONED = 8
 ERROR_KINDS = ("timeout", "exception", "nan", "not_a_number", "stuck")
+
+
+def reward_error_counts(trajs: Any) -> dict[str, float]:
+    """``reward/errors/<kind>``: how many of ``trajs`` got no reward from their function, per kind
+    (every kind present, zeros included) — the one definition training, the eval and verl report."""
+    counts = dict.fromkeys(ERROR_KINDS, 0.0)
+    for t in trajs:
+        kind = (getattr(t, "reward_details", None) or {}).get("reward_error")
+        if kind in counts:
+            counts[kind] += 1.0
+    return {f"reward/errors/{k}": v for k, v in counts.items()}
 
 
 def math_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None, **_: Any) -> dict:
@@ -134,6 +156,13 @@ class _Bounded:
         with self._lock:
             if self.abandoned >= MAX_ABANDONED:
                 return None, "stuck", f"{self.abandoned} earlier calls of {self.spec} never returned; not called"
+        if inspect.iscoroutinefunction(self.fn):  # an async reward (verl allows them): awaited here
+            try:
+                return await asyncio.wait_for(self.fn(*args), timeout), None, ""
+            except (TimeoutError, asyncio.TimeoutError):
+                return None, "timeout", f"{self.spec} did not return within {timeout:g} s"
+            except Exception as exc:  # noqa: BLE001
+                return None, "exception", f"{self.spec} raised {type(exc).__name__}: {exc}"
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def target() -> None:
@@ -227,20 +256,22 @@ class RewardScorer:
 
     async def score(self, text: str, traj: Any) -> RewardResult:
         """Score the trajectory ``traj`` whose assistant text is ``text``."""
-        c = self.config
         n_ok = sum(call.ok for tr in traj.turns for call in tr.tool_calls)
-        spec = self.spec_for(getattr(traj, "data_source", None))
-        if spec == "math":  # the built-in: its own settings and shaping, already bounded (a helper process)
-            return math_reward(text, traj.ground_truth, config=c, num_successful_tool_calls=n_ok)
         extra_info = dict(getattr(traj, "extra_info", None) or {})
-        extra_info.update(
-            num_turns=traj.num_turns,
-            num_tool_calls=traj.num_tool_calls,
-            num_successful_tool_calls=n_ok,
-            extracted_answer=self._extracted(text),
-        )
-        args = (getattr(traj, "data_source", None), text, traj.ground_truth, extra_info)
-        value, kind, message = await self._fns[spec](args, float(c.timeout_seconds))
+        extra_info.update(num_turns=traj.num_turns, num_tool_calls=traj.num_tool_calls)
+        return await self.score_row(getattr(traj, "data_source", None), text, traj.ground_truth, extra_info, n_ok)
+
+    async def score_row(
+        self, data_source: Any, text: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None, n_ok: int = 0
+    ) -> RewardResult:
+        """Score one row in verl's terms (what :mod:`otb_tir.verl.reward_fn` calls in verl's reward workers)."""
+        c = self.config
+        spec = self.spec_for(data_source)
+        if spec == "math":  # the built-in: its own settings and shaping, already bounded (a helper process)
+            return math_reward(text, ground_truth, config=c, num_successful_tool_calls=n_ok)
+        info = dict(extra_info or {})
+        info.update(num_successful_tool_calls=n_ok, extracted_answer=self._extracted(text))
+        value, kind, message = await self._fns[spec]((data_source, text, ground_truth, info), float(c.timeout_seconds))
         details: dict[str, Any] = {"reward_fn": spec}
         if kind is None:
             score, extra, kind, message = _as_score(value)

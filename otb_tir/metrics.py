@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from agent_env.rewards import reward_error_counts
 from agent_env.tool_metrics import tool_metrics
 from otb_tir import ConfigError
 
@@ -146,6 +147,7 @@ def trajectory_metrics(trajs: Sequence[Any], prefix: str = "") -> dict[str, floa
     out = {
         "reward/mean": float(np.mean([t.reward for t in trajs])),
         "reward/accuracy": float(np.mean([bool(t.reward_details.get("correct", False)) for t in trajs])),
+        **reward_error_counts(trajs),
         **tool_metrics(trajs),
         "episode/turns_mean": float(np.mean([t.num_turns for t in trajs])),
         "episode/void_turn_rate": sum(t.void_turns > 0 for t in trajs) / n,

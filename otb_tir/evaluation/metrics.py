@@ -92,7 +92,7 @@ def figures(trajs: Sequence[Trajectory], pass_k: Iterable[int] = (1,), group_key
     out["reward/mean"] = base["reward/mean"]
 
     calls = [c for t in trajs for c in calls_of(t)]
-    out.update({k: v for k, v in base.items() if k.startswith(("tools/", "errors/"))})
+    out.update({k: v for k, v in base.items() if k.startswith(("tools/", "errors/", "reward/errors/"))})
     for name, count in sorted(Counter(c.name or "<none>" for c in calls).items()):
         out[f"tools/by_name/{name}"] = float(count)
 

@@ -56,6 +56,7 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
 
 from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E402
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
+from agent_env.rewards import ERROR_KINDS as REWARD_ERROR_KINDS  # noqa: E402
 from agent_env.tool_metrics import COUNT_KEYS, episode_counts  # noqa: E402
 from tools.assembly import ToolSet  # noqa: E402
 
@@ -368,12 +369,22 @@ class OTBToolAgentLoop(AgentLoopBase):
 def _reward_extra_info(traj: Trajectory | None) -> dict[str, float]:
     """Per-trajectory figures verl logs next to the reward (same keys for every row): ``acc``,
     ``void_turns``, ``assistant_turns`` and ``tool_<count>`` for each count of
-    :func:`agent_env.tool_metrics.episode_counts`, the definition training and the evaluation use
+    :func:`agent_env.tool_metrics.episode_counts`, the definition training and the evaluation use,
+    and ``reward_error_<kind>`` (1 when the reward function failed that way, see
+    :mod:`agent_env.rewards`)
     (:func:`~agent_env.tool_metrics.pooled_tool_metrics` of the rows gives the batch's figures)."""
     if traj is None:
         counts = dict.fromkeys(COUNT_KEYS, 0.0)
-        return {"acc": 0.0, "void_turns": 0.0, "assistant_turns": 0.0, **{f"tool_{k}": v for k, v in counts.items()}}
+        return {
+            "acc": 0.0,
+            "void_turns": 0.0,
+            "assistant_turns": 0.0,
+            **{f"tool_{k}": v for k, v in counts.items()},
+            **{f"reward_error_{k}": 0.0 for k in REWARD_ERROR_KINDS},
+        }
+    kind = traj.reward_details.get("reward_error")
     return {
+        **{f"reward_error_{k}": float(kind == k) for k in REWARD_ERROR_KINDS},
         "acc": float(bool(traj.reward_details.get("correct", False))),
         "void_turns": float(traj.void_turns),
         "assistant_turns": float(traj.num_turns),

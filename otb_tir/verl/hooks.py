@@ -180,6 +180,8 @@ def batch_metrics(data: Any) -> dict[str, float]:
         n = len(nt[f"tool_{counts[0]}"])
         rows = [{k: float(nt[f"tool_{k}"][i]) for k in counts} for i in range(n)]
         out.update(pooled_tool_metrics(rows))
+    for key in [k for k in nt.keys() if k.startswith("reward_error_")]:  # the agent loop's per-row 0/1
+        out[f"reward/errors/{key[len('reward_error_') :]}"] = float(np.asarray(nt[key], float).sum())
     if "assistant_turns" in nt:
         out["episode/turns_mean"] = _mean(nt["assistant_turns"])
     if "void_turns" in nt:

@@ -61,6 +61,7 @@ from otb_tir import ConfigError
 from otb_tir.builders import policy_path
 from otb_tir.verl import require_verl
 from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
+from otb_tir.verl.reward_fn import REWARD_ENV
 from tools import DEFAULT_TOOLS
 from tools.registry import absolute_path_name
 
@@ -260,6 +261,18 @@ def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
     return train, val
 
 
+def _reward_section(cfg: DictConfig) -> dict[str, Any]:
+    """The reward section with its file paths absolute (verl's workers run in other folders)."""
+    reward = OmegaConf.to_container(cfg.reward, resolve=True)
+    crf = reward["custom_reward_function"]
+    if crf.get("path") and crf["path"].endswith(".py"):
+        crf["path"] = str(Path(crf["path"]).expanduser().resolve())
+    reward["per_data_source"] = {k: absolute_path_name(v) for k, v in reward["per_data_source"].items()}
+    if reward.get("name"):
+        reward["name"] = absolute_path_name(reward["name"])
+    return reward
+
+
 def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
     from otb_tir.builders import task
 
@@ -267,13 +280,6 @@ def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
     names = mt.tools
     if names is None and not mt.tool_config_path:
         names = task(cfg).tools or DEFAULT_TOOLS  # the task's tools, else the default set
-    reward = OmegaConf.to_container(cfg.reward, resolve=True)
-    crf = reward["custom_reward_function"]
-    if crf.get("path"):  # the workers run in other folders
-        crf["path"] = str(Path(crf["path"]).expanduser().resolve()) if crf["path"].endswith(".py") else crf["path"]
-    reward["per_data_source"] = {k: absolute_path_name(v) for k, v in reward["per_data_source"].items()}
-    if reward.get("name"):
-        reward["name"] = absolute_path_name(reward["name"])
     kwargs = {
         "_target_": AGENT_LOOP_TARGET,
         # the names build_tool_set resolves ([] → only the YAML's tools)
@@ -285,7 +291,7 @@ def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
         "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn),
         "tool_timeout": float(mt.tool_timeout),
         "system_prompt": None,
-        "reward": reward,
+        "reward": _reward_section(cfg),
     }
     return [{"name": "otb_tir_agent", **kwargs}, {"name": "tool_agent", **kwargs}]
 
@@ -433,6 +439,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         # metrics.jsonl always (summary.json and the step count are read from it), TensorBoard when asked
         env_vars["OTB_TIR_LOGGERS"] = "jsonl,tensorboard" if "tensorboard" in cfg.trainer.loggers else "jsonl"
         env_vars["OTB_TIR_RESUME"] = "1" if cfg.trainer.resume else "0"  # a resumed run appends to metrics.jsonl
+        # the run's reward in verl's reward workers too (otb_tir/verl/reward_fn.py)
+        env_vars[REWARD_ENV] = json.dumps({"reward": _reward_section(cfg), "task": absolute_path_name(cfg.data.task)})
         est = cfg.algorithm.adv_estimator
         if est not in VERL_BUILTIN_ESTIMATORS:  # a user's estimator, registered in verl's registry by the plugin
             env_vars[USER_ESTIMATOR_ENV] = f"{verl_estimator_name(est)}={absolute_path_name(est)}"
