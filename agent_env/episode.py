@@ -403,6 +403,9 @@ class AgentEnv:
             else None
         )
         self._tool_schemas = [t.schema() for t in self.tools.values()] or None
+        bind = getattr(self.parser, "bind_tools", None)  # parsers that type arguments by the tools' schemas
+        if callable(bind):
+            bind(self._tool_schemas or [])
         self._template_name = f"the chat template of tokenizer {getattr(tokenizer, 'name_or_path', '?')!r}"
         if not getattr(tokenizer, "chat_template", None):
             raise EnvError(

@@ -155,7 +155,7 @@ def build_tool_set(
             except Exception as e:  # noqa: BLE001 - a plugin's constructor: say which tool
                 raise ToolError(f"tool {name!r} failed to load: {type(e).__name__}: {e}") from e
             built.append(made)
-            origins.append(ToolOrigin(name, _class_name(made), tool_source(name), conf))
+            origins.append(ToolOrigin(made.name, _class_name(made), tool_source(name), conf))
         if config_path:
             entries = load_tool_entries(config_path)
             built += [made for made, _, _ in entries]  # before any check: a failure closes them all
