@@ -188,6 +188,13 @@ def resolved_plugins(cfg: Any, tools: Any = None) -> dict[str, Any]:
         describe = getattr(tools, "describe", None)
         records = describe() if callable(describe) else [{"name": n, "source": "given"} for n in tools]
         out["tools"] = {r["name"]: r["source"] for r in records}
+    else:  # the names, without building the tools
+        from tools.registry import TOOLS
+
+        mt = cfg.multi_turn
+        names = mt.tools if mt.tools is not None else (task(cfg).tools or ([] if mt.tool_config_path else None))
+        if names is not None:
+            out["tools"] = {str(n): TOOLS.source(str(n)) for n in names}
     return out
 
 

@@ -58,7 +58,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
-from otb_tir.builders import policy_path
+from otb_tir.builders import policy_path, resolved_plugins
 from otb_tir.verl import require_verl
 from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
 from otb_tir.verl.reward_fn import REWARD_ENV
@@ -669,6 +669,7 @@ def _summary(cfg: DictConfig, out: Path, info: Mapping[str, Any], wall: float) -
         "rollout": info["rollout"],
         "steps": len(steps),
         "tools": tools,
+        "plugins": resolved_plugins(cfg),
         "before": figures(before),
         "after": figures(after),
         "last_step": {k: v for k, v in steps[-1].items() if not k.startswith(("val-", "errors/"))},

@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -344,19 +343,3 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
     finally:
         core_algos.ADV_ESTIMATOR_REGISTRY.pop("otb_user_leave_one_out", None)
         plugin.uninstall()
-
-
-def test_readme_extending_examples_are_the_ones_tested():
-    """The README's Extending section names the keys these tests use."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Extending", 1)[1].split("\n## ", 1)[0]
-    for needle in (
-        "data.task=",
-        "reward.custom_reward_function.path=",
-        "algorithm.adv_estimator=",
-        "multi_turn.format=",
-        "--list",
-        "compute_score(data_source, solution_str, ground_truth, extra_info",
-    ):
-        assert needle in section, needle
-    assert textwrap.dedent  # (the section's code blocks are plain shell and Python)

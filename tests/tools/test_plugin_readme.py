@@ -27,7 +27,7 @@ def adding_a_tool_section() -> str:
     if not match:
         pytest.fail("no 'Adding a tool' section in README.md")
     rest = text[match.end() :]
-    following = re.search(r"^##?\s", rest, re.MULTILINE)
+    following = re.search(r"^#{1,3}\s", rest, re.MULTILINE)
     return rest[: following.start()] if following else rest
 
 
@@ -94,3 +94,43 @@ def test_documented_commands_use_real_keys():
             else:
                 assert prog == "otb-tir-eval"
                 load_eval_config(overrides=overrides)
+
+
+def extending_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    rest = text.split("\n## Extending\n", 1)[1]
+    return rest.split("\n### Adding a tool", 1)[0]
+
+
+def test_extending_examples_load_with_the_users_files(tmp_path, monkeypatch):
+    """Every command and inline override of the README's Extending section (before its tool part)
+    loads, with the section's Python block saved as my_task.py and the user files it names (copies
+    of the plugins tests/recipes/test_user_plugins.py runs end to end)."""
+    section = extending_section()
+    plugins = ROOT / "tests" / "data" / "plugins"
+    (tmp_path / "my_task.py").write_text(re.findall(r"```python\n(.*?)```", section, re.DOTALL)[0])
+    (tmp_path / "my_reward.py").write_text((plugins / "quiz_task.py").read_text())
+    (tmp_path / "my_est.py").write_text((plugins / "loo_estimator.py").read_text())
+    parser_src = (plugins / "logging_parser.py").read_text()
+    (tmp_path / "my_parser.py").write_text(parser_src + "\n\nMyParser = LoggingHermes\n")
+    monkeypatch.chdir(tmp_path)
+    from otb_tir.builders import task_split
+    from otb_tir.evaluation import load_eval_config
+    from otb_tir.trainer.config import load_config
+
+    commands = [
+        line for block in re.findall(r"```bash\n(.*?)```", section, re.DOTALL) for line in block.strip().splitlines()
+    ]
+    inline = re.findall(r"`((?:algorithm|multi_turn|reward|data)\.[\w.]+=[^` ]+)`", section)
+    assert len(commands) == 3 and {o.split("=")[0] for o in inline} >= {"algorithm.adv_estimator", "multi_turn.format"}
+    for line in commands:
+        words = shlex.split(line.split("#", 1)[0])
+        overrides = [w for w in words[1:] if "=" in w]
+        cfg = load_config(None, overrides)
+        if any(o.startswith("data.task=") for o in overrides):
+            assert task_split(cfg, "train", 2, 0)[0]["reward_model"]["ground_truth"] == "Lima"
+            load_eval_config(overrides=overrides)
+    for override in inline:
+        load_config(None, [override])
+    assert "compute_score(data_source, solution_str, ground_truth, extra_info)" in section
+    assert "--list" in section
