@@ -162,6 +162,39 @@ def test_outside_task_reward_estimator_and_parser_in_training_and_eval(policy, u
     assert report["with_tools"]["overall"]["reward/errors/timeout"] == 0.0
 
 
+def test_the_same_plugins_under_torchrun_with_two_ranks(policy, user):
+    """`torchrun` runs one process per rank: each resolves the task, reward, parser and estimator
+    by the same paths and scores its own episodes with the user's reward."""
+    env = _env(user)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "otb_tir.train",
+            "--model",
+            str(policy),
+            f"data.task={TASK}",
+            f"algorithm.adv_estimator={EST}",
+            f"multi_turn.format={FMT}",
+            "trainer.output_dir=runs/ddp",
+            *TRAIN,
+        ],
+        user,
+        env,
+    )
+    rewards = [e for e in _log(user / "quiz.jsonl") if e["event"] == "reward"]
+    assert len(rewards) == 6 and len({e["pid"] for e in rewards}) == 2  # both ranks scored with the user's reward
+    assert len({p["pid"] for p in _log(user / "parser.jsonl")}) == 2
+    est = _log(user / "est.jsonl")
+    assert est and sum(e["shape"][0] for e in est) >= 4  # the step's 4 rows went through the user's estimator
+    summary = json.loads((user / "runs" / "ddp" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["plugins"]["estimator"]["name"] == EST
+
+
 def test_a_hanging_reward_is_counted_per_sample_and_the_run_goes_on(policy, user):
     """The quiz rows' reward hangs (per data source); every sample gets reward 0 with the error
     counted in metrics.jsonl, and the run finishes."""
