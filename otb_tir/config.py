@@ -46,13 +46,15 @@ def load_structured(
     overrides: Sequence[str] = (),
     *,
     choices: Mapping[str, Sequence[Any]] | None = None,
-    check: Callable[[DictConfig], None] | None = None,
+    check: Callable[[DictConfig, frozenset[str]], None] | None = None,
     sources_hook: Callable[[list[tuple[str, Any]], list[str]], list[str]] | None = None,
 ) -> DictConfig:
     """``schema``'s defaults ← YAML file ← ``key=value`` overrides, validated.
 
     Raises ConfigError for unknown keys, values of the wrong type and values outside ``choices``
-    (dotted key → allowed values); ``check`` validates further. ``sources_hook(sources,
+    (dotted key → allowed values); ``check(cfg, given)`` validates further, ``given`` being the
+    dotted keys the user set (command line, or a YAML file other than a shipped config): a default
+    that depends on another key may follow it, a value the user gave may not be changed. ``sources_hook(sources,
     overrides)`` may take keys out of the YAML sources and the overrides before they are merged
     (the training config's verl passthrough) and returns the overrides to merge.
     """
@@ -69,8 +71,15 @@ def load_structured(
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value (e.g. rollout.n=4), got: {bad}")
+    given: set[str] = set()
+    from otb_tir.configs import CONFIG_DIR
+
+    for origin, src in sources:
+        if Path(origin).resolve().parent != CONFIG_DIR:  # a shipped config holds defaults, not the user's choices
+            given |= _leaf_keys(src)
     if overrides:
         sources.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+        given |= _leaf_keys(sources[-1][1])
     for origin, src in sources:
         try:
             cfg = OmegaConf.merge(cfg, src)
@@ -86,5 +95,17 @@ def load_structured(
         if value not in allowed:
             raise ConfigError(f"'{key}' must be one of {', '.join(map(str, allowed))}; got {value!r}")
     if check is not None:
-        check(cfg)
+        check(cfg, frozenset(given))
     return cfg
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> set[str]:
+    """Dotted keys of the leaves of a config node (a mapping's keys, not a list's items)."""
+    if isinstance(node, (dict, DictConfig)):
+        out: set[str] = set()
+        for k in node.keys():
+            value = node[k] if not isinstance(node, DictConfig) else node._get_node(k)
+            out |= _leaf_keys(value, f"{prefix}{k}.")
+            out.add(f"{prefix}{k}")
+        return out
+    return set()

@@ -80,10 +80,12 @@ EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _check(cfg: DictConfig) -> None:
+def _check(cfg: DictConfig, given: frozenset[str] = frozenset()) -> None:
     from otb_tir.builders import check_plugins
 
     check_plugins(cfg)
+    if "eval.pass_k" not in given and cfg.rollout.n >= 1:  # the default k's follow rollout.n
+        cfg.eval.pass_k = [k for k in cfg.eval.pass_k if 1 <= k <= cfg.rollout.n] or [1]
     for key in (
         "rollout.n",
         "rollout.response_length",

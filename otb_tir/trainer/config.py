@@ -218,11 +218,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command)
         return [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o for o in ours]
 
-    def check(cfg: DictConfig) -> None:
+    def check(cfg: DictConfig, given: frozenset[str]) -> None:
         verl_overrides.apply_section(cfg, verl_items)
+        _follow_defaults(cfg, given)
         _check_ranges(cfg)
 
     return load_structured(Config, path, overrides, choices=CHOICES, check=check, sources_hook=split)
+
+
+def _follow_defaults(cfg: DictConfig, given: frozenset[str]) -> None:
+    """A default that depends on another key follows it unless the user set it: the PPO mini-batch
+    (prompts per optimizer step) is at most the batch and divides it."""
+    batch, mini = int(cfg.data.train_batch_size), int(cfg.actor.ppo_mini_batch_size)
+    if "actor.ppo_mini_batch_size" not in given and batch > 0 and mini > 0 and batch % mini:
+        cfg.actor.ppo_mini_batch_size = max(d for d in range(1, min(mini, batch) + 1) if batch % d == 0)
 
 
 def _check_ranges(cfg: DictConfig) -> None:

@@ -90,3 +90,29 @@ def test_configuration_reference_is_current_and_lists_every_key():
     for schema in (Config, EvalConfig):
         for key in keys(schema()):
             assert f"| `{key}` |" in page, key
+
+
+def test_a_default_that_depends_on_another_key_follows_it_unless_the_user_set_it(tmp_path):
+    """`data.train_batch_size=2` alone is valid: the default mini-batch (8) follows the batch; a
+    mini-batch the user gave is kept and checked (above). The shipped config's values are defaults
+    too; a user's own YAML file counts as given."""
+    assert load_config(None, ["data.train_batch_size=2"]).actor.ppo_mini_batch_size == 2
+    assert load_config(None, ["data.train_batch_size=6"]).actor.ppo_mini_batch_size == 6
+    assert load_config(None, ["data.train_batch_size=12"]).actor.ppo_mini_batch_size == 6  # largest divisor <= 8
+    from otb_tir.configs import resolve_config
+
+    assert load_config(resolve_config("tir_math_cpu"), ["data.train_batch_size=3"]).actor.ppo_mini_batch_size == 3
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("actor:\n  ppo_mini_batch_size: 4\n")
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_config(mine, ["data.train_batch_size=6"])
+
+
+def test_the_evals_default_pass_k_follows_rollout_n():
+    from otb_tir.evaluation import load_eval_config
+
+    assert list(load_eval_config(overrides=["rollout.n=1"]).eval.pass_k) == [1]
+    assert list(load_eval_config(overrides=["rollout.n=3"]).eval.pass_k) == [1, 2]
+    assert list(load_eval_config(overrides=[]).eval.pass_k) == [1, 2, 4]
+    with pytest.raises(ConfigError, match=r"every k must be in 1..rollout.n \(1\)"):
+        load_eval_config(overrides=["rollout.n=1", "eval.pass_k=[1,2]"])
