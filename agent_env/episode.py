@@ -34,8 +34,7 @@ import asyncio
 import logging
 import time
 import uuid
-import warnings
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from agent_env import EnvError
@@ -43,6 +42,7 @@ from agent_env.engines.base import Engine, SamplingParams
 from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer
 from agent_env.parsers import ParsedCall, get_parser
 from agent_env.tool_metrics import MALFORMED_KINDS
+from tools.assembly import plain
 
 logger = logging.getLogger(__name__)
 
@@ -51,29 +51,7 @@ __all__ = ["EpisodeConfig", "ToolCallRecord", "TurnRecord", "Trajectory", "Agent
 FINISH_REASONS = ("answer", "void_turn", "max_turns", "length", "turn_length", "tool_overflow", "abort")
 
 
-# Old field names of EpisodeConfig → verl's (the names of the trainer's config sections).
-_RENAMED = {
-    "parser": "format",
-    "max_response_tokens": "response_length",
-    "max_tool_response_tokens": "max_tool_response_length",
-}
-
-
-def _renamed(kwargs: dict[str, Any]) -> dict[str, Any]:
-    for old, new in _RENAMED.items():
-        if old in kwargs:
-            warnings.warn(
-                f"EpisodeConfig({old}=...) is deprecated: use {new}= (verl's name, as in the config)",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            if new in kwargs:
-                raise EnvError(f"EpisodeConfig got both {old}= (deprecated) and {new}=")
-            kwargs[new] = kwargs.pop(old)
-    return kwargs
-
-
-@dataclass(init=False)
+@dataclass
 class EpisodeConfig:
     """Episode settings, under the names of verl's ``rollout`` / ``rollout.multi_turn`` sections
     (the trainer's config sections use the same names and defaults; :meth:`from_sections` is the
@@ -114,28 +92,6 @@ class EpisodeConfig:
     # extraction (if it has one) decides when a turn is an answer; None = the math task's
     task: str | None = None
 
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs = _renamed(kwargs)
-        unknown = sorted(set(kwargs) - set(self.__dataclass_fields__))
-        if unknown:
-            raise TypeError(f"EpisodeConfig got unknown settings {unknown}")
-        for f in self.__dataclass_fields__.values():
-            if f.name in kwargs:
-                value = kwargs[f.name]
-            elif f.default_factory is not MISSING:  # type: ignore[misc]
-                value = f.default_factory()  # type: ignore[misc]
-            else:
-                value = f.default
-            setattr(self, f.name, value)
-
-    def __getattr__(self, name: str) -> Any:  # the deprecated field names, read
-        if name in _RENAMED:
-            warnings.warn(
-                f"EpisodeConfig.{name} is deprecated: use .{_RENAMED[name]}", DeprecationWarning, stacklevel=2
-            )
-            return getattr(self, _RENAMED[name])
-        raise AttributeError(name)
-
     def validate(self) -> None:
         def bad(msg: str) -> EnvError:
             return EnvError(f"invalid episode config: {msg}")
@@ -167,19 +123,19 @@ class EpisodeConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EpisodeConfig":
         """Build from a plain mapping of EpisodeConfig's own fields; unknown keys are an error."""
-        d = _renamed(dict(d))
+        d = dict(d)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
             raise EnvError(f"unknown episode config keys {unknown}; known keys: {sorted(known)}")
         if isinstance(d.get("reward"), Mapping):
             try:
-                d["reward"] = RewardConfig(**_plain(d["reward"]))
+                d["reward"] = RewardConfig(**plain(d["reward"]))
             except TypeError as e:
                 raise EnvError(f"bad reward config: {e}") from None
         for key in ("tools", "stop_token_ids", "tool_config", "chat_template_kwargs"):
             if d.get(key) is not None:
-                d[key] = _plain(d[key])
+                d[key] = plain(d[key])
         cfg = cls(**d)
         cfg.validate()
         return cfg
@@ -199,7 +155,7 @@ class EpisodeConfig:
         if d.get("tool_config") is None:
             d.pop("tool_config", None)
         if reward is not None:
-            d["reward"] = {k: _plain(v) for k, v in _section_items(reward)}
+            d["reward"] = {k: plain(v) for k, v in _section_items(reward)}
         d.update(overrides)
         return cls.from_dict(d)
 
@@ -798,15 +754,6 @@ class AgentEnv:
         """Close the tools this environment created."""
         if self._owns_tools:  # then self.tools is the tools.ToolSet build_tool_set made
             await self.tools.close()
-
-
-def _plain(x: Any) -> Any:
-    """Nested mappings / sequences (e.g. OmegaConf containers) as plain dicts and lists."""
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)) or (isinstance(x, Sequence) and not isinstance(x, (str, bytes))):
-        return [_plain(v) for v in x]
-    return x
 
 
 def _describe_mismatch(a: str, b: str) -> str:

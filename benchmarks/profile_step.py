@@ -30,10 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from otb_tir.trainer.trainer import AFTER_ROW_PHASES, STEP_PHASES, phase_name
 
-from otb_tir.trainer.trainer import AFTER_ROW_PHASES, STEP_PHASES, phase_name  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # a row holds the previous step's log and checkpoint seconds as timing/prev_log_s, timing/prev_checkpoint_s
 PREV = {"timing/prev_" + phase_name(k) + "_s": phase_name(k) for k in AFTER_ROW_PHASES}

@@ -101,11 +101,13 @@ def _isolation(tool: Any) -> str | None:
     return level if isinstance(level, str) else None
 
 
-def _plain(x: Any) -> Any:
+def plain(x: Any) -> Any:
+    """Nested mappings / sequences (OmegaConf containers, verl's config) as plain dicts and lists:
+    the one copy of this helper."""
     if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
+        return {str(k): plain(v) for k, v in x.items()}
     if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
-        return [_plain(v) for v in x]
+        return [plain(v) for v in x]
     return x
 
 
@@ -121,7 +123,7 @@ def build_tool_set(
     """
     from tools.registry import get_tool, load_tool_entries, tool_source
 
-    tool_config = _plain(dict(tool_config or {}))
+    tool_config = plain(dict(tool_config or {}))
     if names is None:
         names = [] if config_path else list(DEFAULT_TOOLS)
     if isinstance(names, str):

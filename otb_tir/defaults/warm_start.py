@@ -41,13 +41,12 @@ from typing import Any, Sequence
 
 from otb_tir import ConfigError
 from otb_tir.trainer.sft import SFTConfig, sft_train, tokenize_conversation
+from tools.assembly import DEFAULT_TOOLS
 
 logger = logging.getLogger(__name__)
 
 #: Bump when trace generation or training code changes: cached folders are keyed on it.
 WARM_VERSION = 3
-#: The tools of the default recipe, in the order an episode lists them.
-DEFAULT_TOOLS = ("python", "calculator")
 #: Kinds whose expression Python's ``print`` evaluates to the exact answer.
 _PYTHON_KINDS = ("mul", "add", "pow", "mod")
 _MARKER = "otb_tir_warm_start.json"

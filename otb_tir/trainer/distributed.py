@@ -68,10 +68,10 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     ``device``: auto | cpu | cuda (``trainer.device``); ``backend``: auto | gloo | nccl.
     On CUDA each process takes ``cuda:LOCAL_RANK``.
     """
+    from otb_tir.builders import resolve_device
+
     rank, world, local = env_world()
-    want_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+    want_cuda = resolve_device(device).type == "cuda"  # the one resolver (auto → CUDA when there is one)
     if want_cuda:
         if local >= torch.cuda.device_count():
             raise ConfigError(

@@ -46,7 +46,6 @@ from otb_tir.verl import require_verl
 
 require_verl()
 
-from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
     AgentLoopBase,
     AgentLoopMetrics,
@@ -58,7 +57,7 @@ from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E40
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
 from agent_env.rewards import ERROR_KINDS as REWARD_ERROR_KINDS  # noqa: E402
 from agent_env.tool_metrics import COUNT_KEYS, episode_counts  # noqa: E402
-from tools.assembly import ToolSet  # noqa: E402
+from tools.assembly import ToolSet, plain  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +67,6 @@ AGENT_NAME = "otb_tir_agent"
 
 # verl's multi_turn.tool_response_truncate_side names the side that is cut; ours the side kept.
 _TRUNCATE_SIDE = {"left": "tail", "right": "head", "middle": "middle", "head": "head", "tail": "tail"}
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers (hydra passes them through) → plain Python."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 class ServerManagerEngine:
@@ -251,17 +243,17 @@ class OTBToolAgentLoop(AgentLoopBase):
                 AGENT_NAME,
                 [getattr(t, "name", t) for t in verl_tools],
             )
-        self.otb_tool_names = None if otb_tools is None else list(_plain(otb_tools))
-        self.otb_tool_config = dict(_plain(tool_config) or {})
+        self.otb_tool_names = None if otb_tools is None else list(plain(otb_tools))
+        self.otb_tool_config = dict(plain(tool_config) or {})
         self.otb_tool_config_path = tool_config_path
         self.episode_config = episode_config_from_verl(
             self.rollout_config,
             max_tokens_per_turn=max_tokens_per_turn,
             tool_timeout=tool_timeout,
             system_prompt=system_prompt,
-            reward=_plain(reward),
+            reward=plain(reward),
             tools=self.otb_tool_names,
-            chat_template_kwargs=_plain(self.apply_chat_template_kwargs),
+            chat_template_kwargs=plain(self.apply_chat_template_kwargs),
             format=otb_format,
             task=otb_task,
         )

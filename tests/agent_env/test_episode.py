@@ -574,16 +574,11 @@ def test_config_from_omegaconf_section():
         EpisodeConfig.from_dict({"format": "xml"})
 
 
-def test_the_old_field_names_still_work_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match="use response_length"):
-        cfg = EpisodeConfig(max_response_tokens=77, parser="code_block", max_tool_response_tokens=9)
-    assert (cfg.response_length, cfg.format, cfg.max_tool_response_length) == (77, "code_block", 9)
-    with pytest.warns(DeprecationWarning, match="use .response_length"):
-        assert cfg.max_response_tokens == 77
-    with pytest.raises(EnvError, match="both"), pytest.warns(DeprecationWarning):
-        EpisodeConfig(parser="hermes", format="hermes")
-    with pytest.raises(TypeError, match="unknown settings"):
+def test_unknown_settings_are_refused():
+    with pytest.raises(TypeError, match="max_tokens"):
         EpisodeConfig(max_tokens=3)
+    with pytest.raises(EnvError, match=r"unknown episode config keys \['max_response_tokens'\]"):
+        EpisodeConfig.from_dict({"max_response_tokens": 77})
 
 
 def test_the_defaults_are_the_trainer_configs_and_from_sections_reads_its_names():
