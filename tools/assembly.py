@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tools.base import Tool, ToolError
+from tools.base import Tool, ToolError, close_quietly
 
 __all__ = ["DEFAULT_TOOLS", "ToolOrigin", "ToolSet", "build_tool_set"]
 
@@ -170,7 +170,7 @@ def build_tool_set(
                         "the YAML's tool_schema)"
                     )
     except BaseException:
-        _close_quietly(built)
+        close_quietly(built)
         raise
     if not built:
         yaml = f"the tools YAML {config_path} lists none" if config_path else "no multi_turn.tool_config_path is set"
@@ -179,21 +179,3 @@ def build_tool_set(
             "(e.g. multi_turn.tools=[python,calculator]) or give a verl-style tools YAML"
         )
     return ToolSet(built, origins)
-
-
-def _close_quietly(built: Sequence[Tool]) -> None:
-    """Close tools built before a later one failed (their worker pools must not leak)."""
-    import asyncio
-
-    async def close_all() -> None:
-        await ToolSet(built).close()
-
-    if not built:
-        return
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(close_all())
-        return
-    # inside a running loop (e.g. verl's agent loop): schedule it, the caller raises now
-    asyncio.ensure_future(close_all())

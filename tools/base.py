@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -316,3 +316,25 @@ def _json_type(value: Any) -> str:
 def _short(value: Any, limit: int = 40) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def close_quietly(built: Sequence[Tool]) -> None:
+    """Close tools built before a later one failed (their worker pools must not leak); a failure
+    to close one is logged and the others are still closed."""
+
+    async def close_all() -> None:
+        for t in built:
+            try:
+                await t.close()
+            except Exception:  # noqa: BLE001 - closing must go on for the others
+                logging.getLogger(__name__).warning("closing tool %r failed", t, exc_info=True)
+
+    if not built:
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(close_all())
+        return
+    # inside a running loop (e.g. verl's agent loop): schedule it, the caller raises now
+    asyncio.ensure_future(close_all())

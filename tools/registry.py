@@ -40,7 +40,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
-from tools.base import Tool, ToolError, ToolResult, check_schema
+from tools.base import Tool, ToolError, ToolResult, check_schema, close_quietly
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -454,15 +454,9 @@ def load_tool_entries(path: str | os.PathLike[str]) -> list[tuple[Tool, str, dic
         if duplicates:
             raise ToolError(f"{path}: tool name(s) {duplicates} appear more than once; each tool needs a unique name")
     except BaseException:
-        _close_later([t for t, _, _ in built])  # tools built before the failure must not leak workers
+        close_quietly([t for t, _, _ in built])  # tools built before the failure must not leak workers
         raise
     return built
-
-
-def _close_later(built: list[Tool]) -> None:
-    from tools.assembly import _close_quietly
-
-    _close_quietly(built)
 
 
 def _tool_from_entry(entry: dict[str, Any], where: str) -> Tool:

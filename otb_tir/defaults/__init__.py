@@ -3,8 +3,10 @@
 
 * :mod:`otb_tir.defaults.tiny` — the tiny Qwen3-shaped policy, its tokenizer and chat template
   (``chat_template.jinja``), built locally and cached;
-* :mod:`otb_tir.defaults.warm_start` — its SFT warm start on tool-use traces (cached per setting),
-  and ``python -m otb_tir.defaults.warm_start --check N``, the report of how it uses its tools.
+* :mod:`otb_tir.defaults.traces` — the tool-use traces of its warm start;
+* :mod:`otb_tir.defaults.warm_start` — its SFT warm start on those traces (cached per setting);
+* :mod:`otb_tir.defaults.check` — ``python -m otb_tir.defaults.check --check N``, the report of how
+  it uses its tools (the tool-use evaluation's episodes).
 
 The shipped configs are in ``otb_tir/configs/``.
 """

@@ -213,7 +213,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     verl_items: list[str] = []
 
     def split(sources: list[tuple[str, Any]], items: list[str]) -> list[str]:
-        ours, verl = verl_overrides.take_passthrough(sources, items)
+        ours, verl = verl_overrides.take_passthrough(sources, items, VerlConfig)
         verl_items.extend(verl)
         # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command)
         return [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o for o in ours]

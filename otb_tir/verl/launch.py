@@ -62,6 +62,7 @@ from otb_tir.builders import policy_path, resolved_plugins
 from otb_tir.verl import require_verl
 from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
 from otb_tir.verl.reward_fn import REWARD_ENV
+from otb_tir.verl.watchdog import VerlRunError
 from tools import DEFAULT_TOOLS
 from tools.registry import absolute_path_name
 
@@ -510,10 +511,6 @@ def _check_tools(cfg: DictConfig) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tools.json").write_text(json.dumps(described, indent=2))
     return described
-
-
-class VerlRunError(RuntimeError):
-    """verl's trainer failed, hung in a phase, or exited without finishing (the message says which)."""
 
 
 def _device(cfg: DictConfig) -> str:

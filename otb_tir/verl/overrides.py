@@ -20,18 +20,14 @@ from otb_tir import ConfigError
 __all__ = ["take_passthrough", "apply_section"]
 
 
-def _launcher_keys() -> frozenset[str]:
-    """Keys of the ``verl`` section that are ours (VerlConfig's fields); every other key is verl's."""
-    from otb_tir.trainer.config import VerlConfig
-
-    return frozenset(f.name for f in fields(VerlConfig))
-
-
-def take_passthrough(sources: list[tuple[str, Any]], overrides: list[str]) -> tuple[list[str], list[str]]:
+def take_passthrough(
+    sources: list[tuple[str, Any]], overrides: list[str], section: type
+) -> tuple[list[str], list[str]]:
     """Our own overrides, and the verl settings given as ``verl.<verl key>=v`` (``+verl.<key>=v`` for a
     key verl lacks) on the command line or as nested keys under ``verl:`` in YAML, as ``key=value`` items
-    (taken out of ``sources``)."""
-    ours_keys = _launcher_keys()
+    (taken out of ``sources``). ``section``: the schema of the ``verl`` section (its fields are ours,
+    every other key is verl's)."""
+    ours_keys = frozenset(f.name for f in fields(section))
     verl: list[str] = []
     for _, src in sources:
         verl += _pop_yaml_passthrough(src, ours_keys)

@@ -4,7 +4,7 @@ verl can wait forever after one of its workers failed (a failed weight sync left
 waiting ~13 minutes before it was killed by hand). :func:`run_watched` starts the child in its own
 process group, copies its output to a log file and to this console, and reads the phase the
 trainer is in from ``progress.json`` (written by :mod:`otb_tir.verl.hooks`). It stops the whole
-process group, and raises :class:`~otb_tir.verl.launch.VerlRunError` naming the phase and quoting
+process group, and raises :class:`VerlRunError` naming the phase and quoting
 the last traceback, when
 
 * a phase runs longer than ``phase_timeout_s``, or
@@ -36,6 +36,10 @@ __all__ = ["run_watched"]
 
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class VerlRunError(RuntimeError):
+    """verl's trainer failed, hung in a phase, or exited without finishing (the message says which)."""
 
 
 def _read_progress(path: Path) -> dict | None:
@@ -96,7 +100,6 @@ def run_watched(
     echo: bool = True,
 ) -> None:
     """Run ``argv`` under the watchdog (see the module docstring); returns when it finished."""
-    from otb_tir.verl.launch import VerlRunError
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress_path.unlink(missing_ok=True)

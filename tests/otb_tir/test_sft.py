@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agent_env.math_task.data import make_split
 from otb_tir import ConfigError
 from otb_tir.defaults.tiny import build_tiny_model, tiny_policy_dir
-from otb_tir.defaults.warm_start import (
+from otb_tir.defaults.traces import (
     TraceMixture,
     _perturb_number,
     final_answer_from_result,

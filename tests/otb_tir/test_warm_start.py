@@ -14,17 +14,17 @@ import sympy
 from agent_env.engines.base import GenerationOutput
 from agent_env.math_task.data import KINDS, make_split
 from otb_tir import ConfigError
-from otb_tir.defaults import warm_start
-from otb_tir.defaults.warm_start import (
+from otb_tir.defaults import check, warm_start
+from otb_tir.defaults.check import _breakdown
+from otb_tir.defaults.traces import (
     DEFAULT_TOOL_SHARE,
     TraceMixture,
-    WarmStartSettings,
-    _breakdown,
     final_answer_from_result,
     make_traces,
     plan_trace,
     reference_call,
 )
+from otb_tir.defaults.warm_start import WarmStartSettings
 
 
 def _sympy_value(expr: str) -> Fraction:
@@ -132,7 +132,7 @@ def test_breakdown_counts():
     assert row["call_exact"] == pytest.approx(2 / 3)  # "12 * 34" and print(12*34); not 12*35
     assert row["copy_out"] == 0.5  # 2 calls returned the answer, 1 of them boxed it
     assert row["guess_rate"] == 0.25 and row["guess_accuracy"] == 1.0
-    table = warm_start.format_breakdown({"mul": row}).splitlines()
+    table = check.format_breakdown({"mul": row}).splitlines()
     assert table[0].split()[:3] == ["kind", "n", "accuracy"] and table[1].split()[:3] == ["mul", "4", "0.50"]
 
 
@@ -240,7 +240,7 @@ def test_copy_phase_needs_tool_traces(tmp_path, monkeypatch):
             warmup_steps=0,
             base=tiny_policy_dir(),
             progress=False,
-            mixture=TraceMixture(tool_share={k: 0.0 for k in warm_start.DEFAULT_TOOL_SHARE}),
+            mixture=TraceMixture(tool_share={k: 0.0 for k in DEFAULT_TOOL_SHARE}),
         )
 
 
@@ -317,7 +317,7 @@ def test_check_report_is_what_the_agent_env_episodes_give(tiny_model_dir, tiny_t
         return traj
 
     monkeypatch.setattr(AgentEnv, "run", spy)
-    report = warm_start.evaluate_tool_use(tiny_model_dir, items, temperature=0.0, report_dir=tmp_path)
+    report = check.evaluate_tool_use(tiny_model_dir, items, temperature=0.0, report_dir=tmp_path)
     assert len(trajs) == len(items)  # one AgentEnv episode per problem, nothing else
     assert (tmp_path / "warm_start_check.json").is_file()  # the evaluation's own report
     trajs.sort(key=lambda t: int(t.uid[1:]))

@@ -1,0 +1,109 @@
+"""docs/architecture.md's layers hold in the code: `tools` ← `agent_env` ← `otb_tir`, each importing
+only the layers below it; verl only inside `otb_tir/verl/`; no import cycle between modules.
+
+Imports are read from the source (ast), function-level ones included: a lazy import is still a
+dependency. A module importing its own ancestor package (``from agent_env import EnvError`` in
+``agent_env.episode``) is not a cycle: Python loads the package first anyway.
+Run alone: ``python -m pytest tests/test_layers.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"tools": 0, "agent_env": 1, "otb_tir": 2}
+#: Where verl may be imported outside otb_tir/verl, and why.
+VERL_ALLOWED = {
+    # a user's tool class built on verl's BaseTool gets verl's own schema object (verl is already
+    # imported then: the class comes from it)
+    ("tools.registry", "verl.tools.schemas"),
+    ("tools.registry", "verl.tools.schemas.OpenAIFunctionToolSchema"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in LAYERS:
+        for f in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = f
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import submodule`
+    return found
+
+
+def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    mods = _modules()
+    raw = {m: _imports(f) for m, f in mods.items()}
+
+    def resolve(name: str) -> str:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = {
+        m: {r for r in map(resolve, names) if r and r != m and not m.startswith(r + ".")} for m, names in raw.items()
+    }
+    return raw, edges
+
+
+def test_each_layer_imports_only_the_layers_below_it_and_verl_stays_in_its_plugin():
+    raw, _ = _graph()
+    upward, verl = [], []
+    for mod, names in sorted(raw.items()):
+        layer = LAYERS[mod.split(".")[0]]
+        for name in names:
+            top = name.split(".")[0]
+            if top in LAYERS and LAYERS[top] > layer:
+                upward.append(f"{mod} imports {name}")
+            if top == "verl" and not mod.startswith("otb_tir.verl") and (mod, name) not in VERL_ALLOWED:
+                verl.append(f"{mod} imports {name}")
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+    assert not verl, "verl imported outside otb_tir/verl:\n" + "\n".join(verl)
+
+
+def test_no_import_cycle_between_modules():
+    _, edges = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    described = [" ↔ ".join(c) + ": " + "; ".join(f"{m} → {sorted(edges[m] & set(c))}" for m in c) for c in cycles]
+    assert not cycles, "import cycles:\n" + "\n".join(described)
