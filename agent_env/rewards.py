@@ -10,7 +10,7 @@ otherwise ``correct`` means ``score >= correct_reward``). ``solution_str`` is wh
 (every assistant turn, tool output excluded), ``extra_info`` the data row's ``extra_info`` plus
 ``num_turns``, ``num_tool_calls`` and ``num_successful_tool_calls``.
 
-Names resolve through :data:`REWARDS`, the one plugin mechanism (:class:`tools.registry.Registry`):
+Names resolve through :data:`REWARDS`, the one plugin mechanism (:class:`tools.plugins.Registry`):
 the built-ins ``math`` (:func:`agent_env.math_task.reward.math_reward`, with the reward section's
 shaping terms), ``exact_match`` and ``f1`` (on the extracted final answer), functions registered
 with ``REWARDS.register(fn, name)``, entry points of group ``otb_tir.rewards``, and paths
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from agent_env import EnvError
 from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer, math_reward
-from tools.registry import Registry
+from tools.plugins import Registry
 
 __all__ = [
     "ERROR_KINDS",

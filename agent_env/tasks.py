@@ -10,7 +10,7 @@ episode as ``answer`` when it finds one, else as a void turn) and gives the rewa
 ``extra_info["extracted_answer"]``; ``tools`` are the tool names the task uses when the run names
 none (``multi_turn.tools``).
 
-Names resolve through :data:`TASKS`, the one plugin mechanism (:class:`tools.registry.Registry`):
+Names resolve through :data:`TASKS`, the one plugin mechanism (:class:`tools.plugins.Registry`):
 the built-ins ``arith`` and ``chain`` (registered the same way), entry points of group
 ``otb_tir.tasks``, and paths ``package.module:task`` / ``path/to/file.py:task`` (a :class:`Task`,
 or a function returning one)::
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from agent_env import EnvError
-from tools.registry import Registry
+from tools.plugins import Registry
 
 __all__ = ["TASKS", "Task", "get_task"]
 

@@ -48,7 +48,7 @@ import torch
 
 from otb_tir import ConfigError, fused
 from otb_tir.layout import mask_in_unit_interval, policy_counts_into
-from tools.registry import Registry
+from tools.plugins import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _check_estimator(obj: Any, name: str) -> None:
 
 #: Every estimator name: the built-ins below, :func:`register_estimator`, entry points of group
 #: ``otb_tir.estimators`` and paths (``pkg.mod:fn`` / ``file.py:fn``), resolved by the one plugin
-#: mechanism (:class:`tools.registry.Registry`).
+#: mechanism (:class:`tools.plugins.Registry`).
 ESTIMATORS = Registry(
     "advantage estimator",
     "otb_tir.estimators",

@@ -18,8 +18,8 @@ LAYERS = {"tools": 0, "agent_env": 1, "otb_tir": 2}
 VERL_ALLOWED = {
     # a user's tool class built on verl's BaseTool gets verl's own schema object (verl is already
     # imported then: the class comes from it)
-    ("tools.registry", "verl.tools.schemas"),
-    ("tools.registry", "verl.tools.schemas.OpenAIFunctionToolSchema"),
+    ("tools.verl_tools", "verl.tools.schemas"),
+    ("tools.verl_tools", "verl.tools.schemas.OpenAIFunctionToolSchema"),
 }
 
 

@@ -64,7 +64,7 @@ from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
 from otb_tir.verl.reward_fn import REWARD_ENV
 from otb_tir.verl.watchdog import VerlRunError
 from tools import DEFAULT_TOOLS
-from tools.registry import absolute_path_name
+from tools.plugins import absolute_path_name
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ USER_ESTIMATOR_ENV = "OTB_TIR_USER_ESTIMATOR"
 def verl_estimator_name(name: str) -> str:
     """The name verl's config and registry use for our estimator ``name``: the name itself, or, for
     a path (``pkg.mod:fn`` / ``file.py:fn``), ``otb_user_<fn>``."""
-    from tools.registry import is_path_name
+    from tools.plugins import is_path_name
 
     if is_path_name(name):
         return "otb_user_" + name.rpartition(":")[2].replace(".", "_")

@@ -22,14 +22,8 @@ from pathlib import Path
 import pytest
 
 from agent_env import AgentEnv, EnvError, EpisodeConfig
-from agent_env.parsers import (
-    PARSERS,
-    HarmonyParser,
-    Llama3JsonParser,
-    MistralParser,
-    ParsedCall,
-    Qwen3CoderParser,
-)
+from agent_env.parser_families import HarmonyParser, Llama3JsonParser, MistralParser, Qwen3CoderParser
+from agent_env.parsers import ParsedCall, get_parser
 from tests.agent_env.test_episode import ScriptedEngine, run
 from tools.base import Tool, ToolResult
 
@@ -649,7 +643,7 @@ VALID = {
 
 
 def _make(family):
-    p = PARSERS[family]()
+    p = get_parser(family)
     if hasattr(p, "bind_tools"):
         p.bind_tools([Repeat().schema()])
     return p

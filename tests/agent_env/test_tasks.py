@@ -1,5 +1,5 @@
 """Tasks by name (agent_env.tasks) and the one plugin mechanism behind every extension point
-(tools.registry.Registry): built-ins, registered objects, entry points of an installed
+(tools.plugins.Registry): built-ins, registered objects, entry points of an installed
 distribution, and paths (pkg.mod:attr, file.py:attr)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from agent_env.rewards import REWARDS
 from agent_env.tasks import TASKS, Task, get_task
 from otb_tir import ConfigError
 from otb_tir.advantage import ESTIMATORS, get_estimator
-from tools.registry import TOOLS, Registry
+from tools.plugins import Registry
+from tools.registry import TOOLS
 
 
 def test_the_builtin_tasks_are_registered_like_any_other_and_give_the_generators_items():

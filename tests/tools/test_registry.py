@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 import tools
 from tools import ErrorKind, Tool, ToolError, ToolResult, get_tool, list_tools, load_tools, register_tool, tool
 from tools.decorator import function_schema
-from tools.registry import VerlToolAdapter, unregister_tool
+from tools.registry import unregister_tool
+from tools.verl_tools import VerlToolAdapter
 
 
 def run(coro):
