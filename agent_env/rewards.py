@@ -49,6 +49,8 @@ __all__ = [
     "ERROR_KINDS",
     "REWARDS",
     "MAX_ABANDONED",
+    "RewardConfig",
+    "RewardResult",
     "RewardScorer",
     "exact_match",
     "f1",

@@ -13,7 +13,7 @@ batches the concurrent generate calls into shared forward passes). The result is
 - ``uid`` (numpy object array, shared by the n samples of a prompt) and further per-row numpy
   arrays (``finish_reason``, ``num_turns``, ``void_turns``, ``malformed_calls``,
   ``num_tool_calls``, ``template_mismatch``, ``reward``);
-- the per-episode :class:`~agent_env.episode.Trajectory` records and aggregate ``stats``.
+- the per-episode :class:`~agent_env.records.Trajectory` records and aggregate ``stats``.
 
 Rows are ordered prompt-major: row ``i*n + j`` is sample ``j`` of prompt ``i``.
 R is ``EpisodeConfig.response_length`` (the whole multi-turn budget, ``pad_to="budget"``,
@@ -38,7 +38,9 @@ import numpy as np
 import torch
 
 from agent_env import EnvError
-from agent_env.episode import AgentEnv, EpisodeConfig, Trajectory, _Activity
+from agent_env.activity import Activity
+from agent_env.episode import AgentEnv, EpisodeConfig
+from agent_env.records import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +218,7 @@ async def rollout_async(
                 "or an engine with a .tokenizer attribute"
             )
         env = AgentEnv(tok, tools=tools, config=cfg)
-    activity = _Activity()
+    activity = Activity()
     sem = asyncio.Semaphore(max_concurrent_episodes) if max_concurrent_episodes else None
     jobs = []
     for i, item in enumerate(items):

@@ -4,11 +4,12 @@ A :class:`Task` is what a run needs to train and evaluate on a problem family wi
 files: ``make_split(split, n, seed)`` returns ``n`` items of ``split`` (``"train"`` or ``"test"``)
 in verl's RL-dataset format (``data_source``, ``prompt``, ``reward_model.ground_truth``,
 ``extra_info``); ``reward`` names its reward (a :data:`agent_env.rewards.REWARDS` name or path,
-used unless the reward section names another); ``extract_answer(text) -> str | None``, when
-given, replaces the math answer extraction in the episode (a turn without tool calls ends the
-episode as ``answer`` when it finds one, else as a void turn) and gives the rewards
-``extra_info["extracted_answer"]``; ``tools`` are the tool names the task uses when the run names
-none (``multi_turn.tools``).
+used unless the reward section names another); ``extract_answer(text) -> str | None`` decides
+when a turn is an answer in the episode (a turn without tool calls ends the episode as ``answer``
+when it finds one, else as a void turn; :meth:`Task.answer`) and gives the rewards
+``extra_info["extracted_answer"]`` — the math extraction (:func:`math_answer`: ``\\boxed``,
+"answer:") unless the task gives its own; ``tools`` are the tool names the task uses when the
+run names none (``multi_turn.tools``).
 
 Names resolve through :data:`TASKS`, the one plugin mechanism (:class:`tools.plugins.Registry`):
 the built-ins ``arith`` and ``chain`` (registered the same way), entry points of group
@@ -29,13 +30,26 @@ or a function returning one)::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from agent_env import EnvError
+from agent_env.math_task.reward import extract_answer as _math_extract
 from tools.plugins import Registry
 
-__all__ = ["TASKS", "Task", "get_task"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_TASK", "TASKS", "Task", "get_task", "math_answer"]
+
+#: the task of an episode that names none (its answer extraction and reward: the math ones)
+DEFAULT_TASK = "arith"
+
+
+def math_answer(text: str) -> str | None:
+    """The math answer extraction (``\\boxed{...}``, then "The answer is …" phrasings): the built-in
+    tasks' and the default of a :class:`Task`."""
+    return _math_extract(text)[0]
 
 
 @dataclass(frozen=True)
@@ -44,9 +58,26 @@ class Task:
     data_source: str
     make_split: Callable[[str, int, int], list[dict[str, Any]]]  # (split, n, seed) -> verl items
     reward: str = "math"  # a reward name or path (agent_env.rewards.REWARDS)
-    extract_answer: Callable[[str], str | None] | None = None  # None: the math extraction (\boxed, "answer:")
+    extract_answer: Callable[[str], str | None] = math_answer  # the final answer in a text, or None
     tools: tuple[str, ...] | None = None  # tool names used when the run names none; None: python, calculator
     warm_start: str = "arith"  # the built-in warm start of the default tiny policy (model.path unset)
+
+    def __post_init__(self) -> None:
+        if self.extract_answer is None:  # None (as before a default existed): the math extraction
+            object.__setattr__(self, "extract_answer", math_answer)
+
+    def answer(self, text: str) -> str | None:
+        """The final answer in ``text`` by :attr:`extract_answer`, or None. A user's extractor that
+        raises (logged), returns a non-string or an empty string gives None; the math extraction's
+        empty box (``\\boxed{}``) is an (empty) answer."""
+        try:
+            found = self.extract_answer(text)
+        except Exception as exc:  # noqa: BLE001 - a user's extractor must not end the run
+            logger.warning("the task's extract_answer raised %s: %s", type(exc).__name__, exc)
+            return None
+        if not isinstance(found, str) or not (found or self.extract_answer is math_answer):
+            return None
+        return found
 
 
 def _builtin(task: str) -> Task:
@@ -58,7 +89,9 @@ def _builtin(task: str) -> Task:
     def split(split: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
         return make_split(split, n, seed=seed, task=task)
 
-    return Task(name=task, data_source=data_source, make_split=split, reward="math", warm_start=task)
+    return Task(
+        name=task, data_source=data_source, make_split=split, reward="math", extract_answer=math_answer, warm_start=task
+    )
 
 
 ARITH = _builtin("arith")

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from agent_env import AgentEnv, EpisodeConfig, rollout_async
+from agent_env.activity import Activity
 from agent_env.engines.base import GenerationOutput, SamplingParams
-from agent_env.episode import _Activity
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout (its .venv-vllm)
 
@@ -143,7 +143,7 @@ async def run_engine(kind: str, args) -> dict[str, float]:
 
         # sequential reference: the same episodes, one at a time
         eng.real_tokens = 0
-        act = _Activity()
+        act = Activity()
         t0 = time.perf_counter()
         k = 0
         from tqdm.auto import tqdm

@@ -126,7 +126,7 @@ def check_token_bookkeeping(env: AgentEnv, engine: ScriptedEngine, traj) -> None
             k = _index_after_turn(msgs, turn.index)
             before = tok.decode(traj.prompt_ids + traj.response_ids[: turn.obs_start], skip_special_tokens=False)
             with_obs = tok.apply_chat_template(
-                msgs[:k], tools=env._tool_schemas, add_generation_prompt=True, tokenize=False
+                msgs[:k], tools=env.template.tool_schemas, add_generation_prompt=True, tokenize=False
             )
             assert with_obs.startswith(before)
             inserted = tok.decode(traj.response_ids[turn.obs_start : turn.obs_end], skip_special_tokens=False)
@@ -136,7 +136,7 @@ def check_token_bookkeeping(env: AgentEnv, engine: ScriptedEngine, traj) -> None
             assert traj.response_ids[turn.obs_start : turn.obs_end] == tok.encode(inserted, add_special_tokens=False)
     # decode(prompt + response) is the template's rendering of the final conversation (up to the
     # template's closing of a turn whose stop token was sampled).
-    final = tok.apply_chat_template(msgs, tools=env._tool_schemas, add_generation_prompt=False, tokenize=False)
+    final = tok.apply_chat_template(msgs, tools=env.template.tool_schemas, add_generation_prompt=False, tokenize=False)
     stream = tok.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
     assert traj.template_mismatch is None
     assert final.startswith(stream) and final[len(stream) :] in ("\n", "<|im_end|>\n")
@@ -394,30 +394,6 @@ def test_tool_response_truncation_in_tokens(tiny_tokenizer, real_tools, side):
     check_token_bookkeeping(env, eng, traj)
 
 
-def test_truncation_property_unicode(tiny_tokenizer):
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
-
-    probe = ConcurrencyProbe()
-
-    @settings(max_examples=30, deadline=None)
-    @given(st.text(max_size=300), st.integers(1, 30), st.sampled_from(["head", "tail", "middle"]))
-    def check(text, cap, side):
-        env = AgentEnv(
-            tiny_tokenizer, [probe], EpisodeConfig(max_tool_response_length=cap, tool_response_truncate_side=side)
-        )
-        out, cut, n = env.truncate_tool_text(text)
-        assert n == len(tiny_tokenizer.encode(text, add_special_tokens=False))
-        if not cut:
-            assert out == text and n <= cap
-        else:
-            marker_tokens = len(tiny_tokenizer.encode(env.config.truncation_marker, add_special_tokens=False))
-            assert len(tiny_tokenizer.encode(out, add_special_tokens=False)) <= max(cap, marker_tokens)
-            assert env.config.truncation_marker in out
-
-    check()
-
-
 def test_engine_abort_and_empty_output(tiny_tokenizer, real_tools):
     env = AgentEnv(tiny_tokenizer, real_tools, EpisodeConfig())
     eng = ScriptedEngine(tiny_tokenizer, [[]])
@@ -425,7 +401,8 @@ def test_engine_abort_and_empty_output(tiny_tokenizer, real_tools):
     assert traj.finish_reason == "abort" and traj.response_ids == [] and traj.reward == 0.0
 
 
-# ----------------------------------------------------------------------------- templates
+# ----------------------------------------------------------------------------- configuration
+# (the chat template's own tests: test_template.py)
 
 
 def _tokenizer_with_template(tokenizer, template):
@@ -434,53 +411,6 @@ def _tokenizer_with_template(tokenizer, template):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = template
     return tok
-
-
-def test_history_rewriting_template_is_detected(tiny_tokenizer, real_tools):
-    """A template that strips reasoning from assistant turns renders something other than what the
-    model produced: the mismatch is recorded (or raised), the inserted tokens stay correct."""
-    from otb_tir.defaults.tiny import chat_template
-
-    stripping = chat_template().replace(
-        "{{- text(message.content) -}}", "{{- text(message.content).split('</think>')[-1] | trim -}}", 1
-    )
-    assert stripping != chat_template()
-    tok = _tokenizer_with_template(tiny_tokenizer, stripping)
-    script = ["<think>let me use the calculator</think>" + tc("calculator", expression="3*3"), "\\boxed{9}"]
-    env = AgentEnv(tok, real_tools, EpisodeConfig())
-    eng = ScriptedEngine(tok, script)
-    traj = run(env, eng, ground_truth="9")
-    assert traj.template_mismatch is not None and "turn 0" in traj.template_mismatch
-    assert traj.reward == 1.0
-    # mask=1 still exactly the sampled ids; the inserted tokens are the template's closing newline,
-    # the tool response and the next assistant header
-    t0 = traj.turns[0]
-    inserted = tok.decode(traj.response_ids[t0.obs_start : t0.obs_end], skip_special_tokens=False)
-    assert inserted == "\n<|im_start|>user\n<tool_response>\n9\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == [
-        i for _, _, o in eng.calls for i in o.token_ids
-    ]
-
-    strict = AgentEnv(tok, real_tools, EpisodeConfig(on_template_mismatch="error"))
-    with pytest.raises(EnvError, match="renders the conversation differently"):
-        run(strict, ScriptedEngine(tok, script))
-
-
-def test_non_prefix_preserving_template_raises(tiny_tokenizer, real_tools):
-    from otb_tir.defaults.tiny import chat_template
-
-    # Marks the last message specially: adding a tool message changes the earlier rendering.
-    bad = chat_template().replace(
-        "{{- '<|im_end|>\\n' -}}\n    {%- elif message.role == 'tool' -%}",
-        "{%- if loop.last -%}{{- ' (last)' -}}{%- endif -%}{{- '<|im_end|>\\n' -}}\n"
-        "    {%- elif message.role == 'tool' -%}",
-        1,
-    )
-    assert bad != chat_template()
-    tok = _tokenizer_with_template(tiny_tokenizer, bad)
-    env = AgentEnv(tok, real_tools, EpisodeConfig())
-    with pytest.raises(EnvError, match="not prefix-preserving"):
-        run(env, ScriptedEngine(tok, [tc("calculator", expression="1+1"), "\\boxed{2}"]))
 
 
 def test_configuration_errors(tiny_tokenizer, real_tools):

@@ -212,7 +212,7 @@ def check_drift(env: AgentEnv, engine: ScriptedEngine, traj, final_tail: str) ->
     tok = env.tokenizer
 
     def render(msgs, gen):
-        return tok.apply_chat_template(msgs, tools=env._tool_schemas, add_generation_prompt=gen, tokenize=False)
+        return tok.apply_chat_template(msgs, tools=env.template.tool_schemas, add_generation_prompt=gen, tokenize=False)
 
     def encode(text):
         return tok.encode(text, add_special_tokens=False)
@@ -366,7 +366,7 @@ def test_mistral_malformed(text, message):
 
 
 def test_mistral_tool_messages_carry_valid_call_ids():
-    from agent_env.episode import ToolCallRecord
+    from agent_env.records import ToolCallRecord
 
     p = MistralParser()
     calls = p.parse('[TOOL_CALLS] [{"name": "a", "arguments": {}, "id": "Ab3456789"}, {"name": "b", "arguments": {}}]')

@@ -104,7 +104,7 @@ def test_collated_batch_layout(tiny_tokenizer, real_tools):
 
 
 def test_reward_lands_on_last_policy_token_even_when_mask0_tokens_follow():
-    from agent_env.episode import Trajectory
+    from agent_env.records import Trajectory
 
     t = Trajectory(
         uid="u",
@@ -253,12 +253,12 @@ def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, 
                 while k < len(t.messages) and t.messages[k]["role"] == "tool":
                     k += 1
                 rendered = tiny_tokenizer.apply_chat_template(
-                    t.messages[:k], tools=env._tool_schemas, add_generation_prompt=True, tokenize=False
+                    t.messages[:k], tools=env.template.tool_schemas, add_generation_prompt=True, tokenize=False
                 )
                 assert rendered.startswith(before)
                 assert tiny_tokenizer.decode(t.response_ids[turn.obs_start : turn.obs_end]) == rendered[len(before) :]
                 assert set(t.response_mask[turn.obs_start : turn.obs_end]) == {0}
-        final = tiny_tokenizer.apply_chat_template(t.messages, tools=env._tool_schemas, tokenize=False)
+        final = tiny_tokenizer.apply_chat_template(t.messages, tools=env.template.tool_schemas, tokenize=False)
         stream = tiny_tokenizer.decode(t.prompt_ids + t.response_ids)
         assert final.startswith(stream)
         assert final[len(stream) :] in ("\n", "<|im_end|>\n")  # sampled stop token, or a cut turn

@@ -419,14 +419,14 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
                 while k < len(t.messages) and t.messages[k]["role"] == "tool":
                     k += 1
                 rendered = tok.apply_chat_template(
-                    t.messages[:k], tools=env._tool_schemas, add_generation_prompt=True, tokenize=False
+                    t.messages[:k], tools=env.template.tool_schemas, add_generation_prompt=True, tokenize=False
                 )
                 mask0_ok += int(
                     rendered.startswith(before)
                     and tok.decode(t.response_ids[turn.obs_start : turn.obs_end]) == rendered[len(before) :]
                     and set(t.response_mask[turn.obs_start : turn.obs_end]) == {0}
                 )
-        final = tok.apply_chat_template(t.messages, tools=env._tool_schemas, tokenize=False)
+        final = tok.apply_chat_template(t.messages, tools=env.template.tool_schemas, tokenize=False)
         stream = tok.decode(t.prompt_ids + t.response_ids)
         stream_ok += int(final.startswith(stream) and final[len(stream) :] in ("\n", "<|im_end|>\n"))
     res.update(
