@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["EpisodeConfig", "ToolCallRecord", "TurnRecord", "Trajectory", "AgentEnv", "FINISH_REASONS"]
 
 
-
 @dataclass
 class EpisodeConfig:
     """Episode settings, under the names of verl's ``rollout`` / ``rollout.multi_turn`` sections

@@ -24,7 +24,6 @@ measurement). Wall times on a shared machine are noisy; the proxies and accuraci
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import json
@@ -34,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -145,7 +144,7 @@ def policy_gradient_norm(
 
     batch = dict(tensors)
     batch["advantages"], batch["loss_mask"] = advantages, loss_mask
-    s = dataclasses.replace(settings, kl_coef=0.0, entropy_coef=0.0, grad_clip=math.inf)
+    s = dataclasses.replace(settings, kl_loss_coef=0.0, entropy_coeff=0.0, grad_clip=math.inf)
     was_training = model.training
     try:
         rows = torch.arange(batch["responses"].shape[0])
@@ -180,13 +179,13 @@ class PairedRecorder:
 
         t0 = time.perf_counter()
         tr = self.trainer
-        batch = tr.last_rollout
+        batch = tr.batch  # the rollout of the step in progress
         tensors = dict(batch.tensors)
         tensors["old_log_probs"] = inputs["old_log_probs"]
-        loss_mask, _ = filter_loss_mask(batch, tr.cfg)
+        loss_mask, _ = filter_loss_mask(batch, tr.settings.filters)
 
         def gnorm(adv: torch.Tensor, mask: torch.Tensor) -> float:
-            return policy_gradient_norm(tr.model, tensors, adv, mask, tr.actor)
+            return policy_gradient_norm(tr.model, tensors, adv, mask, tr.settings.actor)
 
         proxies = paired_proxies(inputs, self.estimators, loss_mask=loss_mask, grad_norm_fn=gnorm)
         same = self.trained not in proxies or torch.equal(
@@ -201,35 +200,6 @@ class PairedRecorder:
             "trained_adv_reproduced": bool(same),
             "measure_s": time.perf_counter() - t0,
         }
-
-
-@contextlib.contextmanager
-def paired_trainer(trained: str, estimators: Sequence[str], measure_every: int) -> Iterator[list]:
-    """While active, the Trainer that :func:`otb_tir.trainer.run.run` builds records paired proxies.
-
-    Yields a list that receives each built trainer's :class:`PairedRecorder`.
-    """
-    import otb_tir.trainer.trainer as trainer_mod
-
-    base = trainer_mod.Trainer
-    recorders: list[PairedRecorder] = []
-
-    class PairedTrainer(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.last_rollout = None
-            self.estimator = PairedRecorder(self, trained, estimators, measure_every)
-            recorders.append(self.estimator)
-
-        def _rollout(self, *args, **kwargs):
-            self.last_rollout = super()._rollout(*args, **kwargs)
-            return self.last_rollout
-
-    trainer_mod.Trainer = PairedTrainer
-    try:
-        yield recorders
-    finally:
-        trainer_mod.Trainer = base
 
 
 # --------------------------------------------------------------------------- runs and the report
@@ -342,14 +312,17 @@ def run_one(cfg, trained: str, paired: Sequence[str], measure_every: int) -> dic
     from otb_tir.trainer.run import run
 
     t0 = time.perf_counter()
-    with paired_trainer(trained, paired, measure_every) as recorders:
-        summary = run(cfg)
+    recorders: list[PairedRecorder] = []
+
+    def setup(trainer) -> None:  # the trainer's estimator part, swapped for the recording one
+        trainer.estimator = PairedRecorder(trainer, trained, paired, measure_every)
+        recorders.append(trainer.estimator)
+
+    summary = run(cfg, setup=setup)
     if len(recorders) != 1 or recorders[0].calls != cfg.trainer.total_steps:
         raise RuntimeError(
-            f"the paired-proxy hook did not see the run's steps (trainers built: {len(recorders)}, "
-            f"estimator calls: {recorders[0].calls if recorders else 0}, steps: "
-            f"{cfg.trainer.total_steps}); has otb_tir.trainer.run.run stopped building "
-            "otb_tir.trainer.trainer.Trainer?"
+            f"the paired-proxy recorder did not see the run's steps (trainers built: {len(recorders)}, "
+            f"estimator calls: {recorders[0].calls if recorders else 0}, steps: {cfg.trainer.total_steps})"
         )
     history = []
     metrics_file = Path(cfg.trainer.output_dir) / "metrics.jsonl"

@@ -129,7 +129,7 @@ def replay(trainer, tensors: dict[str, torch.Tensor], fused: bool, device: torch
     from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
     from otb_tir.trainer.actor import compute_old_stats, ppo_update
 
-    s = dataclasses.replace(trainer.actor, fused=fused)
+    s = dataclasses.replace(trainer.settings.actor, fused_token_stats=fused)
     out: dict[str, Any] = {"fused": fused}
     batch = dict(tensors)
     _reset_peak(device)
@@ -165,14 +165,12 @@ def replay(trainer, tensors: dict[str, torch.Tensor], fused: bool, device: torch
 def run_check(args) -> dict[str, Any]:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from agent_env import AgentEnv
     from agent_env.engines.hf import HFEngine
-    from agent_env.math_task.data import make_split
-    from otb_tir.builders import episode_config, seed_everything
+    from otb_tir.builders import build_tools, seed_everything
     from otb_tir.defaults.tiny import tiny_policy_dir
     from otb_tir.trainer.config import load_config
-    from otb_tir.trainer.distributed import DistInfo, fsdp_wrap, full_state_dict
-    from otb_tir.trainer.run import build_optimizer
+    from otb_tir.trainer.distributed import DistInfo
+    from otb_tir.trainer.parts import build_parts, trainer_settings
     from otb_tir.trainer.trainer import Trainer
 
     smoke = args.cpu_smoke
@@ -232,18 +230,21 @@ def run_check(args) -> dict[str, Any]:
         f"trainer.device={device.type}",
         f"model.dtype={'float32' if low is None else 'bfloat16'}",
         "data.train_size=64",
+        "data.val_size=4",
+        "eval.size=4",
     ]
     cfg = load_config(None, overrides)
-    weights_fn = None
-    autocast = None
-    if args.no_fsdp:
-        engine = HFEngine(model, tokenizer, share_weights=True, max_batch_size=prompts * n, seed=0, stop_at_eos=False)
-        actor = model
-        autocast = low
-    else:
+    tools = build_tools(cfg)
+    if not args.no_fsdp:
         _init_one_rank_group(device)
-        engine = HFEngine(
-            model,
+    dist_info = DistInfo(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo")
+    # the run's parts with this random model; FSDP2 over the one-rank group unless --no-fsdp
+    parts = build_parts(
+        cfg, tools, dist_info, device, _token_hash_reward, policy=(model, tokenizer), shard=not args.no_fsdp
+    )
+    if not args.no_fsdp and low is not None:  # the engine's own unsharded copy in bf16 (the recipe's is fp32)
+        parts.engine = HFEngine(
+            parts.engine.model,
             tokenizer,
             device=device,
             dtype=low,
@@ -252,29 +253,8 @@ def run_check(args) -> dict[str, Any]:
             seed=0,
             stop_at_eos=False,
         )
-        hf_model = model
-        actor = fsdp_wrap(
-            model, DistInfo(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo"), param_dtype=low
-        )
-
-        def weights_fn():
-            return full_state_dict(hf_model)
-
-    env = AgentEnv(tokenizer, config=episode_config(cfg), reward_fn=_token_hash_reward)
-    optimizer, scheduler = build_optimizer(cfg, actor)
-    trainer = Trainer(
-        cfg,
-        actor,
-        optimizer,
-        scheduler,
-        engine,
-        env,
-        make_split("train", 64, seed=0),
-        make_split("test", 4, seed=0),
-        out_dir,
-        weights_fn=weights_fn,
-        autocast_dtype=autocast,
-    )
+    engine = parts.engine
+    trainer = Trainer(trainer_settings(cfg, autocast_dtype=parts.autocast_dtype), parts)
     try:
         _reset_peak(device)
         t0 = time.perf_counter()
@@ -319,7 +299,7 @@ def run_check(args) -> dict[str, Any]:
         from agent_env.rollout import run_sync
 
         run_sync(engine.close())  # the loop the trainer's rollouts ran on
-        run_sync(env.close())
+        run_sync(tools.close())
         import torch.distributed as dist
 
         if dist.is_initialized():

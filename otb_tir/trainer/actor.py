@@ -18,18 +18,21 @@ from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import ppo_policy_loss
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActorSettings:
-    temperature: float = 1.0
-    micro_batch_size: int = 16
-    fused: bool = True
-    chunk: int = 512
+    """The actor's knobs, named as :class:`~otb_tir.trainer.config.ActorConfig` (``actor.*``); built
+    from the config by :func:`otb_tir.trainer.parts.actor_settings`."""
+
+    temperature: float = 1.0  # the rollout's sampling temperature (log-probs of the sampled distribution)
+    ppo_micro_batch_size: int = 16
+    fused_token_stats: bool = True
+    token_stats_chunk: int = 512
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: float = 3.0
     grad_clip: float = 1.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0  # 0 = no KL loss (the config's kl_loss_coef applies when actor.use_kl_loss)
+    entropy_coeff: float = 0.0
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on devices that support it
 
 
@@ -76,13 +79,12 @@ def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, gra
         attn[:, lo:hi].to(device),
         batch["position_ids"][rows][:, lo:hi].to(device),
     )
+    kw = dict(response_length=r, temperature=s.temperature, fused=s.fused_token_stats, chunk=s.token_stats_chunk)
     with _autocast(device, s.autocast_dtype):
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
-            st = TokenStats(*model(*args, response_length=r, temperature=s.temperature, fused=s.fused, chunk=s.chunk))
+            st = TokenStats(*model(*args, **kw))
         else:
-            st = token_stats_for_causal_lm(
-                model, *args, response_length=r, temperature=s.temperature, fused=s.fused, chunk=s.chunk
-            )
+            st = token_stats_for_causal_lm(model, *args, **kw)
     if r == resp_len:
         return st
     return TokenStats(*(torch.nn.functional.pad(t, (0, resp_len - r)) for t in st))
@@ -95,8 +97,8 @@ def compute_old_stats(model, batch: dict, s: ActorSettings) -> dict[str, torch.T
     model.eval()
     out = {"old_log_probs": [], "entropy": [], "sum_pi_squared": []}
     n = batch["responses"].shape[0]
-    for i in range(0, n, s.micro_batch_size):
-        st = _stats(model, batch, slice(i, i + s.micro_batch_size), s, grad=False)
+    for i in range(0, n, s.ppo_micro_batch_size):
+        st = _stats(model, batch, slice(i, i + s.ppo_micro_batch_size), s, grad=False)
         out["old_log_probs"].append(st.log_probs.float().cpu())
         out["entropy"].append(st.entropy.float().cpu())
         out["sum_pi_squared"].append(st.sum_pi_squared.float().cpu())
@@ -139,11 +141,11 @@ def ppo_update(
             num_tokens = num_tokens.cpu()
         num_tokens = float(num_tokens.clamp_min(1.0))
         optimizer.zero_grad(set_to_none=True)
-        starts = list(range(0, len(rows), s.micro_batch_size))
+        starts = list(range(0, len(rows), s.ppo_micro_batch_size))
         for j in starts:
             if sync is not None:
                 sync(j == starts[-1])
-            mrows = rows[j : j + s.micro_batch_size]
+            mrows = rows[j : j + s.ppo_micro_batch_size]
             st = _stats(model, batch, mrows, s, grad=True)
             out = ppo_policy_loss(
                 st.log_probs.float(),
@@ -154,9 +156,9 @@ def ppo_update(
                 clip_ratio_high=s.clip_ratio_high,
                 clip_ratio_c=s.clip_ratio_c,
                 ref_log_probs=None if ref_log_probs is None else ref_log_probs[mrows].to(device),
-                kl_coef=s.kl_coef,
+                kl_coef=s.kl_loss_coef,
                 entropy=st.entropy.float(),
-                entropy_coef=s.entropy_coef,
+                entropy_coef=s.entropy_coeff,
                 num_tokens=num_tokens / world,  # FSDP averages gradients over ranks: × world undoes it
             )
             out.loss.backward()

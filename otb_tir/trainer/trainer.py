@@ -15,12 +15,13 @@ a one-process run), metrics are computed over all ranks' rows, checkpoints go th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -28,10 +29,9 @@ import torch
 from agent_env import AgentEnv, RolloutBatch, Trajectory, rollout_async
 from agent_env.rollout import run_sync
 from otb_tir import ConfigError
-from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
-from otb_tir.builders import episode_config
+from otb_tir.advantage import place_reward_on_last_policy_token
 from otb_tir.metrics import advantage_stats, trajectory_metrics, variance_proxy_metrics
-from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
+from otb_tir.trainer.actor import compute_old_stats, ppo_update
 from otb_tir.trainer.checkpoint import (
     load_distributed_state,
     load_latest,
@@ -40,19 +40,18 @@ from otb_tir.trainer.checkpoint import (
     save_distributed_checkpoint,
     set_rng_state,
 )
-from otb_tir.trainer.data import DataCursor
 from otb_tir.trainer.distributed import gather_objects, gather_tensors, shard_items
-from otb_tir.trainer.logging import MetricsLogger
+from otb_tir.trainer.parts import Parts
 from otb_tir.trainer.ppo import truncated_is_weights
+from otb_tir.trainer.settings import FilterSettings, TrainerSettings
 
 log = logging.getLogger(__name__)
 
 
-def filter_loss_mask(batch: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+def filter_loss_mask(batch: RolloutBatch, f: FilterSettings) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss mask after the optional trajectory filters (void turns, overlong, flat groups)."""
     mask = batch["response_mask"].clone().float()
     keep = torch.ones(mask.shape[0], dtype=torch.bool)
-    f = cfg.algorithm.filter
     trajs = batch.trajectories
     if f.void_turns:
         keep &= torch.tensor([t.void_turns == 0 for t in trajs])
@@ -136,6 +135,27 @@ def format_step_time(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class PhaseTimer:
+    """Wall seconds per phase: ``with timer("update"):`` adds the block's seconds to
+    ``seconds["timing/update_s"]``; :meth:`elapsed` is the time since the timer was made."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing/{phase}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
 @dataclass
 class StepResult:
     metrics: dict[str, float]
@@ -145,70 +165,33 @@ class StepResult:
 class Trainer:
     """Single-machine (or torchrun/FSDP2) PPO trainer with TIR-OTB advantages.
 
-    ``model``: the policy being trained (possibly FSDP-sharded); ``engine``: the rollout engine
-    (an HFEngine sharing ``model``'s weights, or any Engine whose ``update_weights`` is called
-    after each step with ``weights_fn()``); ``env``: the agent_env environment.
+    ``settings``: the loop's knobs; ``parts``: what it trains with (see :mod:`otb_tir.trainer.parts`,
+    which builds both from a config). ``parts.model`` is the policy being trained (possibly
+    FSDP-sharded); ``parts.engine`` rolls out (an HFEngine sharing the model's weights, or any Engine
+    whose ``update_weights`` gets ``parts.weights_fn()`` after each step). Each part is an attribute
+    of the same name (``trainer.estimator``, ``trainer.engine``, ...): assigning one swaps it.
     """
 
-    def __init__(
-        self,
-        cfg,
-        model,
-        optimizer,
-        scheduler,
-        engine,
-        env: AgentEnv,
-        train_items,
-        val_items,
-        output_dir: str | Path,
-        *,
-        weights_fn: Callable[[], Any] | None = None,
-        ref_model=None,
-        rank: int = 0,
-        world_size: int = 1,
-        autocast_dtype=None,
-    ):
-        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
-        self.engine, self.env, self.weights_fn, self.ref_model = engine, env, weights_fn, ref_model
-        self.rank, self.world = rank, world_size
-        self.out = Path(output_dir)
-        self.val_items = list(val_items)
-        bs = cfg.data.train_batch_size
-        if bs % world_size:
-            raise ConfigError(f"data.train_batch_size ({bs}) must be divisible by the number of ranks ({world_size})")
-        if (cfg.actor.ppo_mini_batch_size * cfg.rollout.n) % world_size:
+    def __init__(self, settings: TrainerSettings, parts: Parts):
+        s = self.settings = settings
+        self.model, self.ref_model = parts.model, parts.ref_model
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.engine, self.weights_fn = parts.engine, parts.weights_fn
+        self.env, self.eval_env = parts.env, parts.eval_env
+        self.cursor, self.val_items = parts.cursor, list(parts.val_items)
+        self.estimator, self.logger = parts.estimator, parts.logger
+        self.rank, self.world = parts.info.rank, parts.info.world_size
+        self.out = Path(s.output_dir)
+        bs, world = self.cursor.batch_size, self.world
+        if bs % world:
+            raise ConfigError(f"data.train_batch_size ({bs}) must be divisible by the number of ranks ({world})")
+        if (s.ppo_mini_batch_size * s.n) % world:
             raise ConfigError(
-                f"actor.ppo_mini_batch_size × rollout.n ({cfg.actor.ppo_mini_batch_size} × "
-                f"{cfg.rollout.n}) trajectories must split evenly over {world_size} ranks"
+                f"actor.ppo_mini_batch_size × rollout.n ({s.ppo_mini_batch_size} × "
+                f"{s.n}) trajectories must split evenly over {world} ranks"
             )
-        self.cursor = DataCursor(list(train_items), bs, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
-        self.estimator = get_estimator(cfg.algorithm.adv_estimator)
-        a = cfg.actor
-        self.actor = ActorSettings(
-            temperature=max(cfg.rollout.temperature, 1e-6) if cfg.rollout.temperature > 0 else 1.0,
-            micro_batch_size=a.ppo_micro_batch_size,
-            fused=a.fused_token_stats,
-            chunk=a.token_stats_chunk,
-            clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c,
-            grad_clip=a.grad_clip,
-            kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
-            entropy_coef=a.entropy_coeff,
-            autocast_dtype=autocast_dtype,
-        )
-        self.logger = (
-            MetricsLogger(
-                self.out,
-                cfg.trainer.loggers if rank == 0 else [],
-                project=cfg.trainer.project_name,
-                experiment=cfg.trainer.experiment_name,
-                resume=cfg.trainer.resume,
-            )
-            if rank == 0
-            else None
-        )
         self.step = 0
+        self.batch: RolloutBatch | None = None  # the rollout of the step in progress (or of the last step)
         self.timing_totals: dict[str, float] = {}  # seconds per phase over this process's fit()
 
     # ------------------------------------------------------------------ rollout
@@ -240,15 +223,10 @@ class Trainer:
         """Greedy (by default) episodes on the held-out items; returns metrics and trajectories."""
         items = self.val_items if items is None else list(items)
         items, offset = shard_items(items, self.rank, self.world)
-        ev = self.cfg.eval
-        env = AgentEnv(
-            self.env.tokenizer,
-            tools=self.env.tools,
-            config=episode_config(self.cfg, temperature=ev.temperature if ev.temperature > 0 else 0.0),
-        )
         self.model.eval()
+        seed = 10_000_019 + self.settings.seed
         local = (
-            self._rollout(items, ev.n, seed=10_000_019 + self.cfg.trainer.seed, env=env, offset=offset).trajectories
+            self._rollout(items, self.settings.eval_n, seed=seed, env=self.eval_env, offset=offset).trajectories
             if items
             else []
         )
@@ -258,111 +236,104 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> StepResult:
-        cfg, t0 = self.cfg, time.perf_counter()
-        items, offset = shard_items(self.cursor.next_batch(), self.rank, self.world)
-        timing: dict[str, float] = {}
+        s, timer = self.settings, PhaseTimer()
 
-        self.model.eval()
-        batch = self._rollout(items, cfg.rollout.n, seed=cfg.trainer.seed * 1_000_003 + self.step, offset=offset)
-        timing["timing/rollout_s"] = time.perf_counter() - t0
-        timing.update(rollout_phases(batch.stats, timing["timing/rollout_s"]))
+        with timer("rollout"):
+            items, offset = shard_items(self.cursor.next_batch(), self.rank, self.world)
+            self.model.eval()
+            batch = self.batch = self._rollout(items, s.n, seed=s.seed * 1_000_003 + self.step, offset=offset)
+        timer.seconds.update(rollout_phases(batch.stats, timer.seconds["timing/rollout_s"]))
 
-        t1 = time.perf_counter()
-        tensors = dict(batch.tensors)
-        stats = compute_old_stats(self.model, tensors, self.actor)
-        tensors.update(stats)
-        timing["timing/old_log_prob_s"] = time.perf_counter() - t1  # log-prob, entropy and Σπ², one pass
+        with timer("old_log_prob"):  # log-prob, entropy and Σπ², one pass
+            tensors = dict(batch.tensors)
+            tensors.update(compute_old_stats(self.model, tensors, s.actor))
         ref = None
-        t1 = time.perf_counter()
-        if self.ref_model is not None and self.actor.kl_coef > 0:
-            ref = compute_old_stats(self.ref_model, tensors, self.actor)["old_log_probs"]
-        timing["timing/ref_s"] = time.perf_counter() - t1
+        with timer("ref"):
+            if self.ref_model is not None and s.actor.kl_loss_coef > 0:
+                ref = compute_old_stats(self.ref_model, tensors, s.actor)["old_log_probs"]
 
-        t2 = time.perf_counter()
-        mask = tensors["response_mask"].float()
-        rewards = place_reward_on_last_policy_token(tensors["token_level_rewards"], mask)
-        is_weights = None
-        if cfg.algorithm.rollout_is:
-            is_weights = truncated_is_weights(
-                tensors["old_log_probs"], tensors["rollout_log_probs"], mask, cfg.algorithm.rollout_is_threshold
+        with timer("advantage"):
+            mask = tensors["response_mask"].float()
+            rewards = place_reward_on_last_policy_token(tensors["token_level_rewards"], mask)
+            is_weights = None
+            if s.rollout_is:
+                is_weights = truncated_is_weights(
+                    tensors["old_log_probs"], tensors["rollout_log_probs"], mask, s.rollout_is_threshold
+                )
+            advantages, returns = self.estimator(
+                token_level_rewards=rewards,
+                response_mask=mask,
+                index=batch["uid"],
+                old_log_probs=tensors["old_log_probs"],
+                sum_pi_squared=tensors["sum_pi_squared"],
+                rollout_is_weights=is_weights,
+                handle_zero_tail=s.handle_zero_tail,
+                norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo,
             )
-        advantages, returns = self.estimator(
-            token_level_rewards=rewards,
-            response_mask=mask,
-            index=batch["uid"],
-            old_log_probs=tensors["old_log_probs"],
-            sum_pi_squared=tensors["sum_pi_squared"],
-            rollout_is_weights=is_weights,
-            handle_zero_tail=cfg.algorithm.handle_zero_tail,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-        )
-        loss_mask, filter_metrics = filter_loss_mask(batch, cfg)
-        tensors["advantages"] = advantages.float() * loss_mask
-        tensors["loss_mask"] = loss_mask
-        timing["timing/advantage_s"] = time.perf_counter() - t2
+            loss_mask, filter_metrics = filter_loss_mask(batch, s.filters)
+            tensors["advantages"] = advantages.float() * loss_mask
+            tensors["loss_mask"] = loss_mask
 
-        t3 = time.perf_counter()
-        rows = tensors["responses"].shape[0]
-        per_mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world
-        g = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + self.step)
-        actor_metrics: dict[str, float] = {}
-        for _ in range(cfg.actor.ppo_epochs):
-            perm = torch.randperm(rows, generator=g)
-            minis = [perm[i : i + per_mini] for i in range(0, rows, per_mini)]
-            actor_metrics = ppo_update(self.model, self.optimizer, tensors, minis, self.actor, ref)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        timing["timing/update_s"] = time.perf_counter() - t3
+        with timer("update"):
+            rows = tensors["responses"].shape[0]
+            per_mini = s.ppo_mini_batch_size * s.n // self.world
+            g = torch.Generator().manual_seed(s.seed * 7919 + self.step)
+            actor_metrics: dict[str, float] = {}
+            for _ in range(s.ppo_epochs):
+                perm = torch.randperm(rows, generator=g)
+                minis = [perm[i : i + per_mini] for i in range(0, rows, per_mini)]
+                actor_metrics = ppo_update(self.model, self.optimizer, tensors, minis, s.actor, ref)
+            if self.scheduler is not None:
+                self.scheduler.step()
 
-        t4 = time.perf_counter()
-        self._sync_weights()
-        timing["timing/weight_sync_s"] = time.perf_counter() - t4
+        with timer("weight_sync"):
+            self._sync_weights()
 
-        t5 = time.perf_counter()
-
-        # metrics over all ranks' rows (rank order = the one-process row order)
-        trajs = gather_objects(batch.trajectories, self.world)
-        local = {
-            "advantages": tensors["advantages"],
-            "loss_mask": loss_mask,
-            "old_log_probs": tensors["old_log_probs"],
-            "sum_pi_squared": tensors["sum_pi_squared"],
-        }
-        if is_weights is not None:
-            local["is_weights"] = is_weights
-        g_all = gather_tensors(local, self.world)
-        metrics = trajectory_metrics(trajs)
-        metrics.update(actor_metrics)
-        kept = gather_objects([filter_metrics["filter/kept_frac"]], self.world)  # equal rows per rank
-        metrics["filter/kept_frac"] = float(np.mean(kept))
-        metrics.update(advantage_stats(g_all["advantages"], g_all["loss_mask"]))
-        metrics.update(
-            variance_proxy_metrics(
-                g_all["advantages"],
-                g_all["loss_mask"],
-                g_all["old_log_probs"],
-                g_all["sum_pi_squared"],
-                rollout_is_weights=g_all.get("is_weights"),
-                gradient_norm=actor_metrics.get("actor/grad_norm"),
+        with timer("metrics"):
+            # metrics over all ranks' rows (rank order = the one-process row order)
+            trajs = gather_objects(batch.trajectories, self.world)
+            local = {
+                "advantages": tensors["advantages"],
+                "loss_mask": loss_mask,
+                "old_log_probs": tensors["old_log_probs"],
+                "sum_pi_squared": tensors["sum_pi_squared"],
+            }
+            if is_weights is not None:
+                local["is_weights"] = is_weights
+            g_all = gather_tensors(local, self.world)
+            metrics = trajectory_metrics(trajs)
+            metrics.update(actor_metrics)
+            kept = gather_objects([filter_metrics["filter/kept_frac"]], self.world)  # equal rows per rank
+            metrics["filter/kept_frac"] = float(np.mean(kept))
+            metrics.update(advantage_stats(g_all["advantages"], g_all["loss_mask"]))
+            metrics.update(
+                variance_proxy_metrics(
+                    g_all["advantages"],
+                    g_all["loss_mask"],
+                    g_all["old_log_probs"],
+                    g_all["sum_pi_squared"],
+                    rollout_is_weights=g_all.get("is_weights"),
+                    gradient_norm=actor_metrics.get("actor/grad_norm"),
+                )
             )
-        )
-        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
-        metrics["rollout/sampled_tokens_per_s"] = batch.stats.get("sampled_tokens_per_s", float("nan"))
-        # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)
-        metrics["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
-        metrics["rollout/tool_tokens"] = float(sum(len(t.response_ids) - sum(t.response_mask) for t in trajs))
-        # tokens through the actor's forward passes (prompt + response, padding excluded), all ranks
-        real = float(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
-        padded = float(tensors["attention_mask"].numel() * self.world)
-        metrics["perf/pad_frac"] = 1.0 - real / padded if padded else 0.0
-        metrics["perf/rollout_sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(
-            timing["timing/rollout_s"], 1e-9
-        )
-        metrics["perf/update_tokens_per_s"] = real * cfg.actor.ppo_epochs / max(timing["timing/update_s"], 1e-9)
-        metrics.update(timing)
-        metrics["timing/metrics_s"] = time.perf_counter() - t5
-        metrics["timing/step_s"] = time.perf_counter() - t0
+            metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+            metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
+            metrics["rollout/sampled_tokens_per_s"] = batch.stats.get("sampled_tokens_per_s", float("nan"))
+            # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)
+            metrics["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
+            metrics["rollout/tool_tokens"] = float(sum(len(t.response_ids) - sum(t.response_mask) for t in trajs))
+            # tokens through the actor's forward passes (prompt + response, padding excluded), all ranks
+            real = float(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+            padded = float(tensors["attention_mask"].numel() * self.world)
+            metrics["perf/pad_frac"] = 1.0 - real / padded if padded else 0.0
+            timing = timer.seconds
+            metrics["perf/rollout_sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(
+                timing["timing/rollout_s"], 1e-9
+            )
+            metrics["perf/update_tokens_per_s"] = real * s.ppo_epochs / max(timing["timing/update_s"], 1e-9)
+            metrics.update(timing)
+        metrics["timing/metrics_s"] = timing["timing/metrics_s"]
+        metrics["timing/step_s"] = timer.elapsed()
         inner = [k for k in STEP_PHASES if k in metrics and k != "timing/eval_s"]
         metrics["timing/step_other_s"] = max(metrics["timing/step_s"] - sum(metrics[k] for k in inner), 0.0)
         return StepResult(metrics, batch)
@@ -408,7 +379,7 @@ class Trainer:
         self.step = int(state["step"])
 
     def maybe_resume(self) -> bool:
-        found = load_latest(self.out / "checkpoints") if self.cfg.trainer.resume else None
+        found = load_latest(self.out / "checkpoints") if self.settings.resume else None
         if found is None:
             return False
         step, state = found
@@ -433,34 +404,34 @@ class Trainer:
     def fit(self, progress: bool = True) -> list[dict[str, float]]:
         from tqdm.auto import tqdm
 
-        history = []
-        total = self.cfg.trainer.total_steps
+        s, history = self.settings, []
+        total, every = s.total_steps, s.eval_every
         bar = tqdm(total=total, initial=self.step, desc="train", unit="step", disable=not progress or self.rank != 0)
-        every = self.cfg.eval.every
         # Writing a row and saving a checkpoint happen after the row is complete: their seconds go
         # into the next row (timing/prev_log_s, timing/prev_checkpoint_s) and into self.timing_totals.
         prev = {"timing/prev_log_s": 0.0, "timing/prev_checkpoint_s": 0.0}
         while self.step < total:
             res = self.train_step()
             self.step += 1
-            t_eval = time.perf_counter()
-            if every and self.step % every == 0 and self.step < total:  # the last step: run.py's `after`
-                res.metrics.update(self.evaluate(tag="val")[0])  # the held-out curve, val/* in this row
-            res.metrics["timing/eval_s"] = time.perf_counter() - t_eval
+            timer = PhaseTimer()
+            with timer("eval"):
+                if every and self.step % every == 0 and self.step < total:  # the last step: run.py's `after`
+                    res.metrics.update(self.evaluate(tag="val")[0])  # the held-out curve, val/* in this row
+            res.metrics["timing/eval_s"] = timer.seconds["timing/eval_s"]
             res.metrics.update(prev)
             history.append(res.metrics)
-            t_log = time.perf_counter()
-            if self.logger is not None:
-                self.logger.log(res.metrics, self.step)
-            bar.set_postfix(
-                acc=f"{res.metrics.get('reward/accuracy', float('nan')):.2f}",
-                tools=f"{res.metrics.get('tools/call_rate', float('nan')):.2f}",
-            )
-            bar.update(1)
-            t_save = time.perf_counter()
-            if self.cfg.trainer.save_every and (self.step % self.cfg.trainer.save_every == 0 or self.step == total):
-                self.save()
-            prev = {"timing/prev_log_s": t_save - t_log, "timing/prev_checkpoint_s": time.perf_counter() - t_save}
+            with timer("log"):
+                if self.logger is not None:
+                    self.logger.log(res.metrics, self.step)
+                bar.set_postfix(
+                    acc=f"{res.metrics.get('reward/accuracy', float('nan')):.2f}",
+                    tools=f"{res.metrics.get('tools/call_rate', float('nan')):.2f}",
+                )
+                bar.update(1)
+            with timer("checkpoint"):
+                if s.save_every and (self.step % s.save_every == 0 or self.step == total):
+                    self.save()
+            prev = {f"timing/prev_{k}_s": timer.seconds[f"timing/{k}_s"] for k in ("log", "checkpoint")}
             self._add_timing(res.metrics, prev)
         bar.close()
         return history
@@ -473,7 +444,7 @@ class Trainer:
             self.timing_totals[key] = self.timing_totals.get(key, 0.0) + after[src]
 
     def save(self) -> None:
-        root, keep = self.out / "checkpoints", self.cfg.trainer.keep_checkpoints
+        root, keep = self.out / "checkpoints", self.settings.keep_checkpoints
         if self.world > 1:
             save_distributed_checkpoint(
                 root,

@@ -5,7 +5,8 @@
 
 The reward is shaped (see ``parity_reward``) so that even the random tiny policy gets non-zero
 advantages and every step really moves the weights. ``--kill-after-save STEP``: every rank
-SIGKILLs itself right after the checkpoint of STEP is complete (a crash at a known point).
+SIGKILLs itself right after the checkpoint of STEP is complete (a crash at a known point): its
+trainer's data cursor (a part, swapped by assignment) dies when asked for the batch of step STEP + 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,22 @@ import logging
 import os
 import signal
 import sys
+
+from otb_tir.trainer.data import DataCursor
+
+
+class DyingCursor(DataCursor):
+    """``cursor``'s copy that SIGKILLs this process when asked for its batch number ``die_at`` (1-based)."""
+
+    def __init__(self, cursor: DataCursor, die_at: int):
+        super().__init__(**vars(cursor))
+        self.die_at, self.calls = die_at, 0
+
+    def next_batch(self):
+        self.calls += 1
+        if self.calls == self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().next_batch()
 
 
 def parity_reward(text, ground_truth, traj):
@@ -31,21 +48,15 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from otb_tir.trainer import trainer as trainer_mod
     from otb_tir.trainer.config import load_config
     from otb_tir.trainer.run import run
 
-    if args.kill_after_save is not None:
-        save = trainer_mod.Trainer.save
+    def setup(trainer):
+        if args.kill_after_save is not None:  # step N's checkpoint is written before batch N + 1 is drawn
+            trainer.cursor = DyingCursor(trainer.cursor, die_at=args.kill_after_save + 1)
 
-        def save_then_die(self):
-            save(self)
-            if self.step == args.kill_after_save:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        trainer_mod.Trainer.save = save_then_die
     cfg = load_config(None, args.overrides)
-    run(cfg, reward_fn=parity_reward)
+    run(cfg, reward_fn=parity_reward, setup=setup)
     return 0
 
 

@@ -404,7 +404,7 @@ def test_data_task_selects_the_built_in_held_out_split_as_training_does():
     from agent_env.math_task.data import make_split
     from otb_tir.evaluation.run import _load_items
     from otb_tir.trainer.config import load_config
-    from otb_tir.trainer.run import load_items
+    from otb_tir.trainer.parts import load_items
 
     items, desc = _load_items(load_eval_config(DEFAULT_CONFIG, ["data.task=chain", "data.size=20"]))
     assert "chain" in desc and {i["data_source"] for i in items} == {"otb_tir/chain"}

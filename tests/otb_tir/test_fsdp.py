@@ -118,28 +118,29 @@ def test_advantages_of_rank_blocks_equal_the_whole_batch(groups, n, world, seed,
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-6)
 
 
-def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_model_factory, tiny_tokenizer):
+def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_model_dir):
     """Trainer._rollout of each rank's block (shard_items, offset) gives the uids and sampled
     tokens of a one-process rollout of the whole batch: every uid group on exactly one rank."""
-    from agent_env import AgentEnv
-    from agent_env.engines.hf import HFEngine
+    import dataclasses
+
     from agent_env.math_task.data import make_split
     from agent_env.rollout import run_sync
-    from otb_tir.builders import episode_config
+    from otb_tir.builders import build_tools
     from otb_tir.trainer.config import load_config
-    from otb_tir.trainer.run import build_optimizer
+    from otb_tir.trainer.distributed import DistInfo
+    from otb_tir.trainer.parts import build_parts, trainer_settings
     from otb_tir.trainer.trainer import Trainer
 
-    cfg = load_config(None, SMALL + ["data.train_batch_size=4", f"trainer.output_dir={tmp_path}"])
-    model = tiny_model_factory()
-    engine = HFEngine(model, tiny_tokenizer, share_weights=True, seed=0, stop_at_eos=False)
-    env = AgentEnv(tiny_tokenizer, config=episode_config(cfg))
-    opt, sched = build_optimizer(cfg, model)
+    cfg = load_config(
+        None, SMALL + ["data.train_batch_size=4", f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}"]
+    )
+    tools = build_tools(cfg)
+    parts = build_parts(cfg, tools, DistInfo(), torch.device("cpu"))
     items = make_split("train", 4)
     world = 2
+    # the same parts seen from each rank of two (no process group: _rollout needs none)
     trainers = [
-        Trainer(cfg, model, opt, sched, engine, env, items, items, tmp_path, rank=r, world_size=world)
-        for r in range(world)
+        Trainer(trainer_settings(cfg), dataclasses.replace(parts, info=DistInfo(r, world))) for r in range(world)
     ]
     try:
         whole = trainers[0]._rollout(items, 2, seed=123)  # what one process rolls out (rank 0 of 1 would)
@@ -154,8 +155,8 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
         per_rank = [{t.uid for t in tr_trajs} for tr_trajs in (blocks[:4], blocks[4:])]
         assert not (per_rank[0] & per_rank[1])
     finally:
-        run_sync(engine.close())  # the trainers' persistent loop
-        run_sync(env.close())
+        run_sync(parts.engine.close())  # the trainers' persistent loop
+        run_sync(tools.close())
 
 
 def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
@@ -177,7 +178,7 @@ def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
     for micro in (1, 4):
         torch.manual_seed(0)
         model = tiny_model_factory()
-        s = ActorSettings(micro_batch_size=micro)
+        s = ActorSettings(ppo_micro_batch_size=micro)
         t = dict(batch)
         t.update(compute_old_stats(model, t, s))
         t["loss_mask"] = t["response_mask"]

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent_env import AgentEnv
-from agent_env.engines.hf import HFEngine
 from agent_env.math_task.data import make_split
-from otb_tir.builders import episode_config
+from otb_tir.builders import build_tools
 from otb_tir.trainer.config import load_config
-from otb_tir.trainer.run import build_optimizer
+from otb_tir.trainer.distributed import DistInfo
+from otb_tir.trainer.parts import build_parts, trainer_settings
+from otb_tir.trainer.settings import FilterSettings
 from otb_tir.trainer.trainer import Trainer, filter_loss_mask
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +35,8 @@ SMALL = [
     "multi_turn.max_assistant_turns=2",
     "multi_turn.tools=[calculator]",
     "multi_turn.tool_timeout=60",
+    "data.train_size=16",
+    "data.val_size=4",
     "eval.size=4",
     "trainer.loggers=[jsonl]",
     "actor.optim.lr=1e-2",
@@ -46,19 +48,17 @@ def _length_reward(text, ground_truth, traj):
     return len(set(traj.response_ids)) / 48.0
 
 
-def _trainer(tmp_path, tiny_model_factory, tiny_tokenizer, overrides=()):
-    cfg = load_config(None, SMALL + [f"trainer.output_dir={tmp_path}", *overrides])
-    model = tiny_model_factory()
-    engine = HFEngine(model, tiny_tokenizer, share_weights=True, seed=0, stop_at_eos=False)
-    env = AgentEnv(tiny_tokenizer, config=episode_config(cfg), reward_fn=_length_reward)
-    opt, sched = build_optimizer(cfg, model)
-    return Trainer(cfg, model, opt, sched, engine, env, make_split("train", 16), make_split("test", 4), tmp_path)
+def _trainer(tmp_path, tiny_model_dir, overrides=()):
+    """The run's trainer, built from its parts (the tiny policy, the shaped reward)."""
+    cfg = load_config(None, SMALL + [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", *overrides])
+    parts = build_parts(cfg, build_tools(cfg), DistInfo(), torch.device("cpu"), reward_fn=_length_reward)
+    return Trainer(trainer_settings(cfg), parts)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["tir_optimal_token_baseline", "optimal_token_baseline", "grpo", "rloo"])
-def test_one_step_updates_policy_for_every_estimator(tmp_path, tiny_model_factory, tiny_tokenizer, estimator):
-    tr = _trainer(tmp_path, tiny_model_factory, tiny_tokenizer, [f"algorithm.adv_estimator={estimator}"])
+def test_one_step_updates_policy_for_every_estimator(tmp_path, tiny_model_dir, estimator):
+    tr = _trainer(tmp_path, tiny_model_dir, [f"algorithm.adv_estimator={estimator}"])
     before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
     res = tr.train_step()
     m = res.metrics
@@ -86,18 +86,18 @@ def asyncio_close(tr):
     from agent_env.rollout import run_sync
 
     run_sync(tr.engine.close())  # on the trainer's persistent loop, where its rollouts ran
-    run_sync(tr.env.close())
+    run_sync(tr.env.tools.close())  # the run's tool set (build_parts does not own it)
 
 
 @pytest.mark.slow
-def test_step_raises_logprob_of_positive_advantage_trajectories(tmp_path, tiny_model_factory, tiny_tokenizer):
+def test_step_raises_logprob_of_positive_advantage_trajectories(tmp_path, tiny_model_dir):
     """After one PPO step, the policy's log-prob moves in the direction of each row's advantage."""
     from otb_tir.trainer.actor import compute_old_stats
 
-    tr = _trainer(tmp_path, tiny_model_factory, tiny_tokenizer, ["actor.optim.lr=3e-3"])
+    tr = _trainer(tmp_path, tiny_model_dir, ["actor.optim.lr=3e-3"])
     res = tr.train_step()
     t = dict(res.batch.tensors)
-    new = compute_old_stats(tr.model, t, tr.actor)["old_log_probs"]
+    new = compute_old_stats(tr.model, t, tr.settings.actor)["old_log_probs"]
     mask = t["response_mask"].float()
     # re-derive the advantages the step used and the old log-probs it saw
     stats_before = res.batch.tensors  # rollout log-probs are the pre-update policy's (shared weights)
@@ -119,13 +119,13 @@ def _row_adv(res):
     return out
 
 
-def test_filters_mask_whole_trajectories(tmp_path, tiny_model_factory, tiny_tokenizer):
-    tr = _trainer(tmp_path, tiny_model_factory, tiny_tokenizer)
+def test_filters_mask_whole_trajectories(tmp_path, tiny_model_dir):
+    tr = _trainer(tmp_path, tiny_model_dir)
     batch = tr._rollout(make_split("train", 2), 3, seed=1)
-    cfg = load_config(None, ["algorithm.filter.all_equal_reward_groups=true", "algorithm.filter.overlong=true"])
+    filters = FilterSettings(all_equal_reward_groups=True, overlong=True)
     for t in batch.trajectories[:3]:
         t.reward = 0.5  # first group: flat rewards
-    mask, m = filter_loss_mask(batch, cfg)
+    mask, m = filter_loss_mask(batch, filters)
     assert torch.all(mask[:3] == 0)
     for i, t in enumerate(batch.trajectories[3:], start=3):
         expect_kept = t.finish_reason not in ("length", "turn_length", "tool_overflow")
@@ -135,15 +135,16 @@ def test_filters_mask_whole_trajectories(tmp_path, tiny_model_factory, tiny_toke
     asyncio_close(tr)
 
 
-def test_void_turn_filter_masks_exactly_the_rows_with_a_void_turn(tmp_path, tiny_model_factory, tiny_tokenizer):
+def test_void_turn_filter_masks_exactly_the_rows_with_a_void_turn(tmp_path, tiny_model_dir):
     """`algorithm.filter.void_turns` (SimpleTIR) zeroes the loss mask of every trajectory with a
     void turn and leaves every other row bit-identical; off, it changes nothing."""
     import random
 
-    tr = _trainer(tmp_path, tiny_model_factory, tiny_tokenizer)
+    tr = _trainer(tmp_path, tiny_model_dir)
     batch = tr._rollout(make_split("train", 4), 4, seed=3)
-    off = load_config(None, [])
-    on = load_config(None, ["algorithm.filter.void_turns=true"])
+    off = FilterSettings()
+    on = trainer_settings(load_config(None, ["algorithm.filter.void_turns=true"])).filters
+    assert on == FilterSettings(void_turns=True)
     base, m_off = filter_loss_mask(batch, off)
     assert torch.equal(base, batch["response_mask"].float()) and m_off["filter/kept_frac"] == 1.0
     rng = random.Random(0)
@@ -196,12 +197,12 @@ def test_sigkill_then_resume_loses_no_step(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_factory, tiny_tokenizer):
+def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_dir):
     """Each row names the disjoint phases of its step; the rollout's five parts add up to the
     rollout, the step's parts to the step, and the run totals to the rows (plus log/checkpoint)."""
     from otb_tir.trainer.trainer import AFTER_ROW_PHASES, STEP_PHASES, step_time_summary
 
-    tr = _trainer(tmp_path, tiny_model_factory, tiny_tokenizer, ["trainer.total_steps=2", "trainer.save_every=1"])
+    tr = _trainer(tmp_path, tiny_model_dir, ["trainer.total_steps=2", "trainer.save_every=1"])
     rows = tr.fit(progress=False)
     assert len(rows) == 2
     rollout_parts = STEP_PHASES[:5]

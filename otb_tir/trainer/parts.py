@@ -1,0 +1,232 @@
+"""The one place the local trainer reads its config: the parts of a run and the loop's settings.
+
+    tools = build_tools(cfg)                                # otb_tir.builders
+    parts = build_parts(cfg, tools, info, device, reward_fn)
+    trainer = Trainer(trainer_settings(cfg, autocast_dtype=parts.autocast_dtype), parts)
+
+:func:`build_parts` assembles what a run trains with (policy and reference model, rollout engine,
+environments, optimizer and schedule, data, estimator, logger, distributed info), the same for one
+process and for ``torchrun``/FSDP2; :func:`trainer_settings` gives the loop's knobs. The trainer
+reads neither the config nor anything else: tests and benchmarks build a run here and swap a part
+by assignment (``parts.estimator = ...``) before building the trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from otb_tir.advantage import get_estimator
+from otb_tir.builders import episode_config, policy_path, task_split
+from otb_tir.trainer.actor import ActorSettings
+from otb_tir.trainer.data import DataCursor
+from otb_tir.trainer.distributed import DistInfo
+from otb_tir.trainer.logging import MetricsLogger
+from otb_tir.trainer.settings import FilterSettings, TrainerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parts:
+    """Everything a :class:`~otb_tir.trainer.trainer.Trainer` works with, built once."""
+
+    model: Any  # the policy being trained (under FSDP2: the sharded TokenStatsModule root)
+    optimizer: Any
+    scheduler: Any  # None: a constant learning rate
+    engine: Any  # the rollout engine: shares ``model``'s weights, or gets ``weights_fn()`` after each update
+    env: Any  # agent_env.AgentEnv of the training episodes (tools, reward)
+    eval_env: Any  # the held-out episodes' environment (same tools, the eval temperature, the task's reward)
+    cursor: DataCursor  # the training prompts
+    val_items: list[dict[str, Any]]  # the held-out prompts
+    estimator: Callable[..., Any]  # the advantage estimator (verl's signature)
+    logger: MetricsLogger | None  # rank 0 only
+    info: DistInfo = DistInfo()  # rank and world size (a process group exists when world_size > 1)
+    weights_fn: Callable[[], Any] | None = None  # the full state dict for the engine; None: shared weights
+    ref_model: Any = None  # frozen reference policy (KL loss), one full copy per process
+    tokenizer: Any = None
+    policy_path: Path | None = None  # the folder the policy came from (None: a model built in memory)
+    autocast_dtype: torch.dtype | None = None  # low-precision autocast of the actor (unsharded, on CUDA)
+
+
+def load_items(cfg) -> tuple[list[dict], list[dict]]:
+    """Training and held-out prompts: verl parquet files, or the built-in generator's splits."""
+    from agent_env.math_task.data import load_parquet
+
+    if cfg.data.train_files:
+        train = [row for f in cfg.data.train_files for row in load_parquet(f)]
+    else:
+        train = task_split(cfg, "train", cfg.data.train_size, seed=cfg.trainer.seed)
+    if cfg.data.val_files:
+        val = [row for f in cfg.data.val_files for row in load_parquet(f)]
+    else:
+        # the held-out set does not move with the seed
+        val = task_split(cfg, "test", cfg.data.val_size, seed=0)
+    return train, val[: cfg.eval.size] if cfg.eval.size else val
+
+
+def build_optimizer(cfg, model):
+    """AdamW over ``model``'s parameters and its schedule (``actor.optim``: warmup, constant | cosine)."""
+    o = cfg.actor.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
+    total = max(cfg.trainer.total_steps, 1)
+
+    def factor(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.lr_scheduler == "cosine":
+            progress = (step - o.warmup_steps) / max(total - o.warmup_steps, 1)
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def actor_settings(cfg, autocast_dtype: torch.dtype | None = None) -> ActorSettings:
+    """The actor's settings from ``actor`` (and the rollout temperature its log-probs are taken at)."""
+    a, temp = cfg.actor, cfg.rollout.temperature
+    return ActorSettings(
+        temperature=max(temp, 1e-6) if temp > 0 else 1.0,
+        ppo_micro_batch_size=a.ppo_micro_batch_size,
+        fused_token_stats=a.fused_token_stats,
+        token_stats_chunk=a.token_stats_chunk,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        grad_clip=a.grad_clip,
+        kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
+        entropy_coeff=a.entropy_coeff,
+        autocast_dtype=autocast_dtype,
+    )
+
+
+def trainer_settings(cfg, autocast_dtype: torch.dtype | None = None) -> TrainerSettings:
+    """The loop's settings from the config (``autocast_dtype``: :attr:`Parts.autocast_dtype`)."""
+    t, alg, f = cfg.trainer, cfg.algorithm, cfg.algorithm.filter
+    return TrainerSettings(
+        output_dir=Path(t.output_dir),
+        n=cfg.rollout.n,
+        ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size,
+        ppo_epochs=cfg.actor.ppo_epochs,
+        total_steps=t.total_steps,
+        seed=t.seed,
+        save_every=t.save_every,
+        keep_checkpoints=t.keep_checkpoints,
+        resume=t.resume,
+        eval_every=cfg.eval.every,
+        eval_n=cfg.eval.n,
+        adv_estimator=alg.adv_estimator,
+        handle_zero_tail=alg.handle_zero_tail,
+        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        rollout_is=bool(alg.rollout_is),  # null (auto) is off for the local trainer: its samples are on-policy
+        rollout_is_threshold=alg.rollout_is_threshold,
+        filters=FilterSettings(
+            void_turns=f.void_turns, overlong=f.overlong, all_equal_reward_groups=f.all_equal_reward_groups
+        ),
+        actor=actor_settings(cfg, autocast_dtype),
+    )
+
+
+def build_parts(
+    cfg,
+    tools,
+    info: DistInfo,
+    device: torch.device,
+    reward_fn: Callable[..., Any] | None = None,
+    *,
+    policy: tuple[Any, Any] | None = None,
+    shard: bool | None = None,
+) -> Parts:
+    """The parts of a local training run on ``device``.
+
+    ``tools``: the run's tool set (:func:`otb_tir.builders.build_tools`; the caller closes it);
+    ``reward_fn``: optional ``(text, ground_truth, trajectory) -> float`` replacing the task's reward
+    in training episodes. ``policy``: a ``(model, tokenizer)`` built elsewhere instead of
+    ``model.path``'s (a benchmark's random model of a given shape). ``shard``: FSDP2-wrap the actor
+    (default: under ``torchrun``, ``info.distributed``); then the engine keeps its own unsharded
+    copy, refreshed with :func:`~otb_tir.trainer.distributed.full_state_dict` after each update.
+    """
+    from agent_env import AgentEnv
+    from agent_env.engines.hf import HFEngine
+    from otb_tir.trainer.distributed import broadcast_object, fsdp_wrap, full_state_dict
+
+    shard = info.distributed if shard is None else shard
+    path = None
+    if policy is None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = policy_path(cfg) if info.rank == 0 else None
+        path = Path(broadcast_object(str(path) if path else None, info.world_size))  # rank 0 builds the warm start
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    else:
+        model, tokenizer = policy
+    low_precision = None if cfg.model.dtype == "float32" else getattr(torch, cfg.model.dtype)
+    autocast = None
+    if low_precision is not None and device.type != "cuda":
+        log.warning("model.dtype=%s needs a GPU here; training in float32 on %s", cfg.model.dtype, device)
+    elif low_precision is not None and not shard:
+        autocast = low_precision
+    ref_model = None
+    if cfg.actor.use_kl_loss:  # frozen, never sharded: one full copy per process
+        if path is not None:
+            from transformers import AutoModelForCausalLM
+
+            ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            ref_model = copy.deepcopy(model)
+        ref_model = ref_model.to(device).eval()
+    # The episode stops turns at the template's end-of-turn token; the tiny policy's generation
+    # config also lists the pad token as eos, which must not end a turn.
+    weights_fn = None
+    common = dict(max_batch_size=cfg.rollout.max_batch_size, seed=cfg.trainer.seed, stop_at_eos=False)
+    if shard:
+        # the engine keeps its own unsharded copy; the full state dict is copied in after each update
+        engine = HFEngine(model, tokenizer, device=device, share_weights=False, **common)
+        hf_model = model
+        actor = fsdp_wrap(
+            model, info, param_dtype=low_precision, reshard_after_forward=cfg.trainer.fsdp_reshard_after_forward
+        )
+
+        def weights_fn():
+            return full_state_dict(hf_model)
+    else:
+        engine = HFEngine(model, tokenizer, share_weights=True, **common)
+        actor = model
+    env = AgentEnv(tokenizer, tools=tools, config=episode_config(cfg), reward_fn=reward_fn)
+    temp = cfg.eval.temperature
+    eval_env = AgentEnv(tokenizer, tools=tools, config=episode_config(cfg, temperature=temp if temp > 0 else 0.0))
+    train_items, val_items = load_items(cfg)
+    optimizer, scheduler = build_optimizer(cfg, actor)
+    t = cfg.trainer
+    cursor = DataCursor(train_items, cfg.data.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
+    estimator = get_estimator(cfg.algorithm.adv_estimator)
+    logger = None
+    if info.rank == 0:
+        logger = MetricsLogger(
+            t.output_dir, t.loggers, project=t.project_name, experiment=t.experiment_name, resume=t.resume
+        )
+    return Parts(
+        model=actor,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        env=env,
+        eval_env=eval_env,
+        cursor=cursor,
+        val_items=val_items,
+        estimator=estimator,
+        logger=logger,
+        info=info,
+        weights_fn=weights_fn,
+        ref_model=ref_model,
+        tokenizer=tokenizer,
+        policy_path=path,
+        autocast_dtype=autocast,
+    )

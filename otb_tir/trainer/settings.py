@@ -1,0 +1,45 @@
+"""The training loop's own knobs: small frozen records the trainer reads instead of the config.
+
+Built from the config in one place, :func:`otb_tir.trainer.parts.trainer_settings`; the names are
+the config's (``rollout.n`` → ``n``, ``trainer.save_every`` → ``save_every``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from otb_tir.trainer.actor import ActorSettings
+
+
+@dataclass(frozen=True)
+class FilterSettings:
+    """``algorithm.filter``: trajectories whose loss mask is zeroed (whole rows)."""
+
+    void_turns: bool = False  # a turn with no tool call and no answer (SimpleTIR)
+    overlong: bool = False  # cut by the response budget
+    all_equal_reward_groups: bool = False  # every sample of the prompt got the same reward (no signal)
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """What :class:`~otb_tir.trainer.trainer.Trainer` needs besides its parts."""
+
+    output_dir: Path = Path("runs/tir_math")  # metrics, checkpoints/
+    n: int = 8  # rollout.n: samples per prompt (the group size of the baselines)
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (× n trajectories), all ranks together
+    ppo_epochs: int = 1
+    total_steps: int = 20
+    seed: int = 0  # sampling seeds of the steps and of the held-out episodes, mini-batch order
+    save_every: int = 5  # checkpoint every N steps and at the end (0 = never)
+    keep_checkpoints: int = 2
+    resume: bool = False  # continue from output_dir's last checkpoint
+    eval_every: int = 0  # held-out evaluation every N steps during fit (0 = never)
+    eval_n: int = 1  # samples per held-out problem
+    adv_estimator: str = "tir_optimal_token_baseline"  # the name, for the record (the estimator is a part)
+    handle_zero_tail: bool = True
+    norm_adv_by_std_in_grpo: bool = True
+    rollout_is: bool = False  # truncated IS weights π_old / π_rollout for the estimator and the loss
+    rollout_is_threshold: float = 2.0
+    filters: FilterSettings = field(default_factory=FilterSettings)
+    actor: ActorSettings = field(default_factory=ActorSettings)
