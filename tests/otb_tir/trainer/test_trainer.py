@@ -24,7 +24,7 @@ from otb_tir.trainer.parts import build_parts, trainer_settings
 from otb_tir.trainer.settings import FilterSettings
 from otb_tir.trainer.trainer import Trainer, filter_loss_mask
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 SMALL = [
     "data.train_batch_size=2",

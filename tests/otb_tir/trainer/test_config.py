@@ -75,7 +75,7 @@ def test_configuration_reference_is_current_and_lists_every_key():
     from otb_tir.evaluation.config import EvalConfig
     from otb_tir.trainer.config import Config
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, str(root / "scripts/gen_config_reference.py"), "--check"], capture_output=True, text=True
     )

@@ -21,7 +21,7 @@ pytest.importorskip("transfer_queue")
 
 from otb_tir.verl import v1  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # --------------------------------------------------------------------------- registration

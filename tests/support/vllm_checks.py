@@ -1,6 +1,6 @@
 """VLLMEngine checks, run inside the vLLM environment (``.venv-vllm``), one vLLM start for all.
 
-    .venv-vllm/bin/python tests/agent_env/vllm_checks.py MODEL_DIR OUT.json [--bench]
+    .venv-vllm/bin/python tests/support/vllm_checks.py MODEL_DIR OUT.json [--bench]
 
 Writes one JSON object of measured facts (never pass/fail decisions: the pytest side,
 tests/agent_env/test_vllm_engine.py, asserts on them). Every log-prob figure is a max |difference|

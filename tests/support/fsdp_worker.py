@@ -1,4 +1,4 @@
-"""A run of the real local trainer, for tests/otb_tir/test_fsdp.py; launched as one process or under
+"""A run of the real local trainer, for tests/otb_tir/trainer/test_fsdp.py; launched as one process or under
 ``python -m torch.distributed.run --nproc_per_node N`` (FSDP2 on gloo).
 
     python fsdp_worker.py [--kill-after-save STEP] key=value ...

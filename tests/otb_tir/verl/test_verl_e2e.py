@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-CHECKS = Path(__file__).with_name("verl_cpu_checks.py")
+REPO = Path(__file__).resolve().parents[3]
+CHECKS = Path(__file__).resolve().parents[2] / "support" / "verl_cpu_checks.py"
 # a small run for the checks that need several runs (the README's command is the first test)
 # (and no phase may hang longer than 300 s: the launcher's own watchdog stops it and says where)
 SMALL = [

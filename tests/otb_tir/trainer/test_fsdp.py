@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from otb_tir.trainer.distributed import shard_items, shard_range
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+ROOT = Path(__file__).resolve().parents[3]
+WORKER = Path(__file__).resolve().parents[2] / "support" / "fsdp_worker.py"
 LR = 1e-2
 SMALL = [
     "data.train_batch_size=2",
