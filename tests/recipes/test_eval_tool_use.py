@@ -90,6 +90,7 @@ def test_recipe_end_to_end_and_compare(tmp_path, tiny_model_dir):
 def test_recipe_bad_input_fails_at_start(tmp_path, tiny_model_dir):
     r = run(f"--model={tiny_model_dir}", "rollout.n=2", "eval.pass_k=[1,4]", timeout=300)
     assert r.returncode == 2 and "every k must be in 1..rollout.n (2)" in r.stderr
-    # a missing model folder, data file, unknown tool, no chat template: tests/otb_tir/evaluation/test_evaluation.py (in process)
+    # a missing model folder, data file, unknown tool, no chat template:
+    # tests/otb_tir/evaluation/test_evaluation.py (in process)
     r = run("--compare", str(tmp_path / "x.json"), str(tmp_path / "y.json"), timeout=300)
     assert r.returncode == 2 and "report not found" in r.stderr

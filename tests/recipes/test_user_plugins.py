@@ -284,7 +284,7 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
 
     from otb_tir.trainer.config import load_config
     from otb_tir.verl.agent_loop import close_cached_tools
-    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+    from otb_tir.verl.compose import compose_verl_config, validate_verl_config
     from tests.support.verl_agent_loop import HFServerManager, _gen_batch
 
     for key, value in _env(user).items():

@@ -381,7 +381,7 @@ def test_user_plugins_under_verls_agent_loop_worker(policy, user, monkeypatch, t
 
     from otb_tir.trainer.config import load_config
     from otb_tir.verl.agent_loop import close_cached_tools
-    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+    from otb_tir.verl.compose import compose_verl_config, validate_verl_config
     from tests.support.verl_agent_loop import HFServerManager, _gen_batch
 
     log = user / "verl_calls.jsonl"

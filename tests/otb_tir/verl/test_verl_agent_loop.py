@@ -25,7 +25,7 @@ from tests.support.verl_agent_loop import HFServerManager, _gen_batch  # noqa: E
 @pytest.fixture(scope="module")
 def verl_setup(tiny_model_dir, tmp_path_factory):
     from otb_tir.trainer.config import load_config
-    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+    from otb_tir.verl.compose import compose_verl_config, validate_verl_config
 
     out = tmp_path_factory.mktemp("verl_run")
     cfg = load_config(
@@ -246,7 +246,7 @@ def test_prompt_longer_than_verls_budget_is_skipped_not_truncated(verl_setup, ti
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     from otb_tir.verl.agent_loop import close_cached_tools
-    from otb_tir.verl.launch import compose_verl_config
+    from otb_tir.verl.compose import compose_verl_config
 
     cfg, _ = verl_setup
     vcfg = compose_verl_config(cfg, overrides=["data.max_prompt_length=32", "data.filter_overlong_prompts=false"])

@@ -46,7 +46,7 @@ def _cfg(tiny_model_dir, out, *extra):
 
 @pytest.fixture(scope="module")
 def composed(tiny_model_dir, tmp_path_factory):
-    from otb_tir.verl.launch import compose_verl_config
+    from otb_tir.verl.compose import compose_verl_config
 
     out = tmp_path_factory.mktemp("verl_launch")
     cfg = _cfg(tiny_model_dir, out)
@@ -58,7 +58,7 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import FSDPActorConfig, HFModelConfig, RolloutConfig
 
-    from otb_tir.verl.launch import validate_verl_config
+    from otb_tir.verl.compose import validate_verl_config
 
     cfg, v, out = composed
     validate_verl_config(v)  # verl's validate_config, incl. FSDPActorConfig.validate(n_gpus, batch, model)
@@ -121,8 +121,8 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
 
 @pytest.mark.slow
 def test_the_cpu_profile_is_what_a_machine_without_an_accelerator_gets(tiny_model_dir, tmp_path):
+    from otb_tir.verl.compose import compose_verl_config, prepare_verl
     from otb_tir.verl.cpu import ENV_FLAG, cpu_overrides
-    from otb_tir.verl.launch import compose_verl_config, prepare_verl
 
     cfg = _cfg(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1")
     v = compose_verl_config(cfg)
@@ -142,7 +142,7 @@ def test_the_cpu_profile_is_what_a_machine_without_an_accelerator_gets(tiny_mode
 
 
 def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
-    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+    from otb_tir.verl.compose import compose_verl_config, validate_verl_config
 
     # 3 prompts × 4 samples = 12 trajectories cannot be split over 16 GPUs
     v = compose_verl_config(_cfg(tiny_model_dir, tmp_path, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"))
@@ -152,7 +152,7 @@ def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
-    from otb_tir.verl.launch import compose_verl_config
+    from otb_tir.verl.compose import compose_verl_config
 
     v = compose_verl_config(
         _cfg(tiny_model_dir, tmp_path, "algorithm.adv_estimator=grpo", "algorithm.rollout_is=true"),
@@ -180,7 +180,7 @@ def test_verl_section_passes_any_verl_key_through_to_verls_dataclasses(tiny_mode
     from verl.utils.config import omega_conf_to_dataclass
 
     from otb_tir.trainer.config import load_config
-    from otb_tir.verl.launch import compose_verl_config, validate_verl_config
+    from otb_tir.verl.compose import compose_verl_config, validate_verl_config
 
     yaml = tmp_path / "recipe.yaml"
     yaml.write_text(
@@ -221,7 +221,7 @@ def test_verl_section_passes_any_verl_key_through_to_verls_dataclasses(tiny_mode
 @pytest.mark.slow
 def test_bad_verl_overrides_fail_before_any_work(tiny_model_dir, tmp_path):
     from otb_tir.trainer.config import load_config
-    from otb_tir.verl.launch import compose_verl_config
+    from otb_tir.verl.compose import compose_verl_config
 
     for extra, match in [
         ("verl.actor_rollout_ref.actor.ppo_epoch=2", r"Could not override 'actor_rollout_ref.actor.ppo_epoch'"),
@@ -332,7 +332,7 @@ def test_missing_verl_gives_one_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async", "legacy"])
 def test_one_key_selects_the_trainer_and_the_async_modes_get_off_policy_defaults(tiny_model_dir, tmp_path, mode):
-    from otb_tir.verl.launch import ASYNC_MAX_OFF_POLICY, compose_verl_config, validate_verl_config
+    from otb_tir.verl.compose import ASYNC_MAX_OFF_POLICY, compose_verl_config, validate_verl_config
 
     cfg = _cfg(tiny_model_dir, tmp_path, f"verl.trainer_mode={mode}")
     v = compose_verl_config(cfg)
@@ -361,7 +361,7 @@ def test_one_key_selects_the_trainer_and_the_async_modes_get_off_policy_defaults
 
 
 def test_otb_with_bypass_mode_stops_at_start(tiny_model_dir, tmp_path):
-    from otb_tir.verl.launch import compose_verl_config
+    from otb_tir.verl.compose import compose_verl_config
 
     bypass = "verl.algorithm.rollout_correction.bypass_mode=true"
     with pytest.raises(ConfigError, match="bypass_mode=true.*sum_pi_squared"):
