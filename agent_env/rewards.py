@@ -171,11 +171,13 @@ class _Bounded:
             try:
                 value = self.fn(*args)
             except BaseException as exc:  # noqa: BLE001 - the user's function, reported per sample
-                if not fut.cancelled():
-                    fut.set_exception(exc)
+                outcome = (fut.set_exception, exc)
             else:
-                if not fut.cancelled():
-                    fut.set_result(value)
+                outcome = (fut.set_result, value)
+            try:
+                outcome[0](outcome[1])
+            except concurrent.futures.InvalidStateError:
+                pass  # the episode stopped waiting (timed out): nobody reads it
 
         threading.Thread(target=target, name=f"reward:{self.spec}", daemon=True).start()
         try:
