@@ -121,8 +121,9 @@ def test_composed_config_passes_verls_validation_and_dataclasses(composed):
 
 @pytest.mark.slow
 def test_the_cpu_profile_is_what_a_machine_without_an_accelerator_gets(tiny_model_dir, tmp_path):
-    from otb_tir.verl.compose import compose_verl_config, prepare_verl
+    from otb_tir.verl.compose import compose_verl_config
     from otb_tir.verl.cpu import ENV_FLAG, cpu_overrides
+    from otb_tir.verl.launch import prepare_verl
 
     cfg = _cfg(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1")
     v = compose_verl_config(cfg)
