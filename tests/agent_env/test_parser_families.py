@@ -24,7 +24,7 @@ import pytest
 from agent_env import AgentEnv, EnvError, EpisodeConfig
 from agent_env.parser_families import HarmonyParser, Llama3JsonParser, MistralParser, Qwen3CoderParser
 from agent_env.parsers import ParsedCall, get_parser
-from tests.agent_env.test_episode import ScriptedEngine, run
+from tests.agent_env.test_episode import ScriptedEngine, _index_after_turn, run
 from tools.base import Tool, ToolResult
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
@@ -192,19 +192,6 @@ def family_env(tiny_tokenizer, family_tools, fam: Family, **cfg):
 
 def scripted_ids(tok, turns):
     return [tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids(stop)] for text, stop in turns]
-
-
-def _index_after_turn(msgs, turn_index):
-    seen = -1
-    for i, m in enumerate(msgs):
-        if m["role"] == "assistant":
-            seen += 1
-            if seen == turn_index:
-                j = i + 1
-                while j < len(msgs) and msgs[j]["role"] == "tool":
-                    j += 1
-                return j
-    raise AssertionError("turn not found")
 
 
 def check_drift(env: AgentEnv, engine: ScriptedEngine, traj, final_tail: str) -> None:

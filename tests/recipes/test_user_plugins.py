@@ -25,34 +25,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.user_runs import TRAIN, read_log
+
 PLUGINS = Path(__file__).resolve().parents[1] / "data" / "plugins"
 BIN = Path(sys.executable).parent
 TASK = "code/quiz_task.py:task"
 EST = "code/loo_estimator.py:leave_one_out"
 FMT = "code/logging_parser.py:LoggingHermes"
-TRAIN = [
-    "trainer.total_steps=1",
-    "data.train_size=8",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=2",
-    "eval.size=2",
-    "eval.before=false",
-    "rollout.response_length=192",
-    "rollout.max_tokens_per_turn=48",
-    "multi_turn.max_assistant_turns=3",
-    "trainer.loggers=[jsonl]",
-    "trainer.save_every=0",
-]
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def policy() -> Path:
-    from tests.support.tool_caller import tool_caller_policy
-
-    return tool_caller_policy()
 
 
 @pytest.fixture
@@ -72,10 +53,6 @@ def _env(home: Path) -> dict[str, str]:
         QUIZ_LOG=str(home / "quiz.jsonl"), EST_LOG=str(home / "est.jsonl"), PARSER_LOG=str(home / "parser.jsonl")
     )
     return env
-
-
-def _log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], rc: int = 0) -> subprocess.CompletedProcess:
@@ -114,7 +91,7 @@ def test_outside_task_reward_estimator_and_parser_in_training_and_eval(policy, u
     assert plugins["tools"] == {"lookup": f"file {code / 'quiz_task.py'}"}  # the task's own tool
     # the plugins' own records: 4 training episodes + 2 held-out ones, each scored once by the
     # user's reward, on the task's questions; the estimator called once on the step's 4 rows
-    events = _log(user / "quiz.jsonl")
+    events = read_log(user / "quiz.jsonl")
     rewards = [e for e in events if e["event"] == "reward"]
     assert len(rewards) == 6 and {e["data_source"] for e in rewards} == {"quiz/capitals"}
     from tests.data.plugins.quiz_task import CAPITALS
@@ -122,10 +99,10 @@ def test_outside_task_reward_estimator_and_parser_in_training_and_eval(policy, u
     assert all(CAPITALS[e["country"]] == e["ground_truth"] for e in rewards)
     assert all(e["num_tool_calls"] == 3 for e in rewards)  # the policy calls lookup on every turn
     assert [e["args"] for e in events if e["event"] == "tool"] == [{"query": "otb"}] * 12  # 2 executed per episode
-    est = _log(user / "est.jsonl")
+    est = read_log(user / "est.jsonl")
     assert len(est) == 1 and est[0]["shape"] == [4, 192]
     assert {"sum_pi_squared", "old_log_probs"} <= set(est[0]["keys"])  # local training hands Σπ² to any estimator
-    parses = _log(user / "parser.jsonl")
+    parses = read_log(user / "parser.jsonl")
     assert len(parses) == 18 and all(p["calls"] == 1 for p in parses)  # 6 episodes × 3 turns, one call each
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert row["reward/mean"] == 0.0 and row["reward/errors/exception"] == 0.0 and row["tools/ok"] == 8.0
@@ -156,7 +133,7 @@ def test_outside_task_reward_estimator_and_parser_in_training_and_eval(policy, u
     assert report["meta"]["plugins"]["task"]["source"] == f"file {code / 'quiz_task.py'}"
     assert report["meta"]["plugins"]["format"]["source"] == f"file {code / 'logging_parser.py'}"
     assert report["meta"]["plugins"]["reward"]["default"]["source"] == f"file {code / 'quiz_task.py'}"
-    new = [e for e in _log(user / "quiz.jsonl") if e["event"] == "reward"][before:]
+    new = [e for e in read_log(user / "quiz.jsonl") if e["event"] == "reward"][before:]
     assert len(new) == 4 and {e["data_source"] for e in new} == {"quiz/capitals"}
     assert {e["country"] for e in new} <= {c for c in CAPITALS}
     assert report["with_tools"]["overall"]["reward/errors/timeout"] == 0.0
@@ -186,10 +163,10 @@ def test_the_same_plugins_under_torchrun_with_two_ranks(policy, user):
         user,
         env,
     )
-    rewards = [e for e in _log(user / "quiz.jsonl") if e["event"] == "reward"]
+    rewards = [e for e in read_log(user / "quiz.jsonl") if e["event"] == "reward"]
     assert len(rewards) == 6 and len({e["pid"] for e in rewards}) == 2  # both ranks scored with the user's reward
-    assert len({p["pid"] for p in _log(user / "parser.jsonl")}) == 2
-    est = _log(user / "est.jsonl")
+    assert len({p["pid"] for p in read_log(user / "parser.jsonl")}) == 2
+    est = read_log(user / "est.jsonl")
     assert est and sum(e["shape"][0] for e in est) >= 4  # the step's 4 rows went through the user's estimator
     summary = json.loads((user / "runs" / "ddp" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["plugins"]["estimator"]["name"] == EST
@@ -220,7 +197,7 @@ def test_a_hanging_reward_is_counted_per_sample_and_the_run_goes_on(policy, user
     summary = json.loads((user / "runs" / "hang" / "summary.json").read_text())
     assert summary["after"]["n"] == 2  # the held-out pass ran after the hung training rewards
     assert summary["plugins"]["reward"]["data_source quiz/capitals"]["reward"] == "code/quiz_task.py:hang"
-    assert Counter(e["event"] for e in _log(user / "quiz.jsonl"))["hang"] == 6
+    assert Counter(e["event"] for e in read_log(user / "quiz.jsonl"))["hang"] == 6
 
 
 def test_plugins_that_do_not_load_stop_the_run_at_start_naming_the_file_and_error(policy, user):
@@ -335,10 +312,10 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
                 await manager.engine.close()
 
     out = asyncio.run(go())
-    rewards = [e for e in _log(user / "quiz.jsonl") if e["event"] == "reward"]
+    rewards = [e for e in read_log(user / "quiz.jsonl") if e["event"] == "reward"]
     assert len(rewards) == 4 and {e["pid"] for e in rewards} == {os.getpid()}
     assert {e["data_source"] for e in rewards} == {"quiz/capitals"} and all(e["num_tool_calls"] == 3 for e in rewards)
-    assert len(_log(user / "parser.jsonl")) == 4 * 3  # the user's parser read every turn
+    assert len(read_log(user / "parser.jsonl")) == 4 * 3  # the user's parser read every turn
     assert np.asarray(out.non_tensor_batch["reward_error_timeout"], float).sum() == 0
 
     # verl's reward workers: verl loads our reward_fn from the composed config; it scores with the user's function
@@ -347,7 +324,7 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
     fn = get_custom_reward_fn(vcfg)
     scored = asyncio.run(fn("quiz/capitals", "Answer: Lima", "Lima", {"country": "Peru"}))
     assert scored["score"] == 1.0 and scored["acc"] == 1.0 and scored["reward_error_exception"] == 0.0
-    last = [e for e in _log(user / "quiz.jsonl") if e["event"] == "reward"][-1]
+    last = [e for e in read_log(user / "quiz.jsonl") if e["event"] == "reward"][-1]
     assert (last["answer"], last["country"]) == ("Lima", "Peru")  # the task's extraction, then the user's function
 
     # verl's compute_advantage, after the plugin registered the user's estimator in verl's registry
@@ -371,7 +348,7 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
         data = compute_advantage(data, vcfg.algorithm.adv_estimator, config=vcfg.algorithm)
         expected = torch.tensor([1.0, -1.0, 0.0, 0.0]).unsqueeze(-1) * mask  # leave-one-out by hand
         assert torch.equal(data.batch["advantages"], expected)
-        est = _log(user / "est.jsonl")
+        est = read_log(user / "est.jsonl")
         assert len(est) == 1 and est[0]["shape"] == [4, 5] and est[0]["pid"] == os.getpid()
     finally:
         core_algos.ADV_ESTIMATOR_REGISTRY.pop("otb_user_leave_one_out", None)

@@ -24,23 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.user_runs import TRAIN, read_log
+
 PLUGIN = Path(__file__).resolve().parents[1] / "data" / "plugins" / "lookup_plugin.py"
 BIN = Path(sys.executable).parent
 
-TRAIN = [
-    "trainer.total_steps=1",
-    "data.train_size=8",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=2",
-    "eval.size=2",
-    "eval.before=false",
-    "rollout.response_length=192",
-    "rollout.max_tokens_per_turn=48",
-    "multi_turn.max_assistant_turns=3",
-    "trainer.loggers=[jsonl]",
-    "trainer.save_every=0",
-]
 EVAL = [
     "data.size=2",
     "rollout.n=2",
@@ -53,13 +41,6 @@ EVAL = [
 ]
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def policy() -> Path:
-    from tests.support.tool_caller import tool_caller_policy
-
-    return tool_caller_policy()
 
 
 @pytest.fixture
@@ -81,10 +62,6 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 900) -
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd[:3]} failed:\n{proc.stderr[-4000:]}"
     return proc
-
-
-def _log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _yaml(home: Path, log: Path, stateful: bool = False) -> Path:
@@ -152,7 +129,7 @@ def test_yaml_plugin_on_pythonpath_reaches_training_and_eval(policy, user):
         user,
         env,
     )
-    calls = [r for r in _log(log) if r["event"] == "call"]
+    calls = [r for r in read_log(log) if r["event"] == "call"]
     row = _train_metrics(out)
     summary = json.loads((out / "summary.json").read_text())
     # training rollouts (2 prompts × 2) and the after-eval (2 prompts) all called the plugin, 2 runs each
@@ -180,7 +157,7 @@ def test_yaml_plugin_on_pythonpath_reaches_training_and_eval(policy, user):
         env,
     )
     report = json.loads((rep_dir / "eval.json").read_text())
-    calls = [r for r in _log(log) if r["event"] == "call"]
+    calls = [r for r in read_log(log) if r["event"] == "call"]
     assert len(calls) - before == report["with_tools"]["overall"]["tools/ok"] == 2 * 2 * 2
     assert report["meta"]["tool_set"] == summary["tools"]
     _check_same_success_rate(row, summary, report)
@@ -242,7 +219,7 @@ def test_entry_point_plugin_reaches_training_and_eval_through_the_console_script
     )
     row = _train_metrics(out)
     summary = json.loads((out / "summary.json").read_text())
-    calls = [r for r in _log(log) if r["event"] == "call"]
+    calls = [r for r in read_log(log) if r["event"] == "call"]
     assert len(calls) == row["tools/ok"] + 2 * 2 and row["tools/ok"] == 8
     (used,) = summary["tools"]
     assert used["cls"] == "otb_lookup_plugin.Lookup"
@@ -251,13 +228,13 @@ def test_entry_point_plugin_reaches_training_and_eval_through_the_console_script
     rep_dir = user / "eval"
     _run([str(BIN / "otb-tir-eval"), "--model", str(policy), *EVAL, f"output.dir={rep_dir}", *tool_args], user, env)
     report = json.loads((rep_dir / "eval.json").read_text())
-    assert len(_log(log)) - len(calls) == report["with_tools"]["overall"]["tools/ok"] == 8
+    assert len(read_log(log)) - len(calls) == report["with_tools"]["overall"]["tools/ok"] == 8
     _check_same_success_rate(row, summary, report)
 
 
 def _sessions(log: Path) -> dict[str, list[dict]]:
     by: dict[str, list[dict]] = defaultdict(list)
-    for r in _log(log):
+    for r in read_log(log):
         by[r["session_id"]].append(r)
     return by
 
