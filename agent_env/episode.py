@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["EpisodeConfig", "ToolCallRecord", "TurnRecord", "Trajectory", "AgentEnv", "FINISH_REASONS"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class EpisodeConfig:
     """Episode settings, under the names of verl's ``rollout`` / ``rollout.multi_turn`` sections
     (the trainer's config sections use the same names and defaults; :meth:`from_sections` is the
@@ -78,9 +78,16 @@ class EpisodeConfig:
     # extraction decides when a turn is an answer; None = agent_env.tasks.DEFAULT_TASK (arith: math)
     task: str | None = None
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        def bad(msg: str) -> EnvError:
-            return EnvError(f"invalid episode config: {msg}")
+        """The one range check of the episode's settings (the training and eval configs' ``rollout``
+        and ``multi_turn`` keys are checked here, through :meth:`from_sections`); errors name the
+        config key, e.g. ``'rollout.top_p'``."""
+
+        def bad(name: str, msg: str) -> EnvError:
+            return EnvError(f"invalid episode config: '{_config_key(name)}' {msg}")
 
         get_parser(self.format)
         for name in (
@@ -92,19 +99,21 @@ class EpisodeConfig:
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(f"{name} must be a positive integer, got {v!r}")
+                raise bad(name, f"must be a positive integer, got {v!r}")
         if self.tool_response_truncate_side not in ("head", "tail", "middle"):
             raise bad(
-                f"tool_response_truncate_side must be head, tail or middle, got {self.tool_response_truncate_side!r}"
+                "tool_response_truncate_side", f"must be head, tail or middle, got {self.tool_response_truncate_side!r}"
             )
         if self.tool_timeout is not None and not self.tool_timeout > 0:
-            raise bad(f"tool_timeout must be positive or None, got {self.tool_timeout!r}")
+            raise bad("tool_timeout", f"must be positive or None, got {self.tool_timeout!r}")
         if not self.temperature >= 0:
-            raise bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            raise bad("temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if self.on_template_mismatch not in ("record", "error"):
-            raise bad(f"on_template_mismatch must be 'record' or 'error', got {self.on_template_mismatch!r}")
+            raise bad("on_template_mismatch", f"must be 'record' or 'error', got {self.on_template_mismatch!r}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EpisodeConfig":
@@ -122,9 +131,7 @@ class EpisodeConfig:
         for key in ("tools", "stop_token_ids", "tool_config", "chat_template_kwargs"):
             if d.get(key) is not None:
                 d[key] = plain(d[key])
-        cfg = cls(**d)
-        cfg.validate()
-        return cfg
+        return cls(**d)
 
     @classmethod
     def from_sections(cls, rollout: Any, multi_turn: Any, reward: Any = None, **overrides: Any) -> "EpisodeConfig":
@@ -149,6 +156,13 @@ _MULTI_TURN_KEYS = (
     *("format", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side"),
     *("max_parallel_calls", "tools", "tool_config", "tool_config_path", "tool_timeout"),
 )
+
+
+def _config_key(name: str) -> str:
+    """A field's key in the config's sections (``rollout.top_p``, ``multi_turn.format``)."""
+    if name in _ROLLOUT_KEYS:
+        return f"rollout.{name}"
+    return f"multi_turn.{name}" if name in _MULTI_TURN_KEYS else name
 
 
 def _section_dict(section: Any, keys: Sequence[str] | None = None) -> dict[str, Any]:
@@ -194,7 +208,6 @@ class AgentEnv:
         reward_fn: RewardFn | None = None,
     ) -> None:
         self.config = config or EpisodeConfig()
-        self.config.validate()
         self.tokenizer = tokenizer
         self.parser = get_parser(self.config.format)
         self._owns_tools = tools is None  # then self.tools is the tools.ToolSet build_tool_set made

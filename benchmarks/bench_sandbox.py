@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from tools.sandbox import PythonTool
-from tools.sandbox.pool import descendants
+from tools.sandbox.host_worker import descendants
 
 TRIVIAL = "print(sum(range(1000)))"
 HEAVY = (

@@ -27,7 +27,7 @@ import time
 
 from tools.sandbox import PythonTool
 from tools.sandbox.backends import UnisolatedBackend, make_backend
-from tools.sandbox.pool import _minimal_env
+from tools.sandbox.host_worker import _minimal_env
 
 _HDR = struct.Struct(">I")
 SNIPPETS = {

@@ -1,15 +1,15 @@
 """The ``calculator`` tool: exact arithmetic and simple algebra with sympy, never Python's ``eval``.
 
-The evaluator is :mod:`tools.calculator_eval` (an AST interpreter over sympy: see its doc for
-what an expression may contain and how answers look). The tool runs it where the ``python`` tool
-runs snippets: each call sends that module's source plus ``print(reply(<expression>))`` to a
-pool of sandbox workers (:class:`tools.sandbox.PythonTool`), so a calculation gets the same
-bounds as a Python snippet: a wall-clock timeout (the child is SIGKILLed: sympy can hang in
-C/bigint code, e.g. ``9**9**9**9`` or ``factorint`` of a huge number), a CPU-time backstop, an
-address-space limit (``memory_mb``), and isolation (bubblewrap by default: a crash or a kill of
-the evaluating process is an error result, never the caller's death). There is no second worker
-mechanism and no unbounded in-process path: :func:`calculate` evaluates in this process only for
-tests and tooling that want the bare evaluator.
+The evaluator is :mod:`tools.calculator_eval` (an AST interpreter over sympy: see its doc for what
+an expression may contain and how answers look). The tool runs it where the ``python`` tool runs
+snippets: each call sends the evaluator's modules (their bytecode, or source) plus
+``print(reply(<expression>))`` to a pool of sandbox workers (:class:`tools.sandbox.PythonTool`), so
+a calculation gets the same bounds as a Python snippet: a wall-clock timeout (the child is
+SIGKILLed: sympy can hang in C/bigint code, e.g. ``9**9**9**9`` or ``factorint`` of a huge number),
+a CPU-time backstop, an address-space limit (``memory_mb``), and isolation (bubblewrap by default:
+a crash or a kill of the evaluating process is an error result, never the caller's death). There is
+no second worker mechanism and no unbounded in-process path: :func:`calculate` evaluates in this
+process only for tests and tooling that want the bare evaluator.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from importlib.util import MAGIC_NUMBER
 from pathlib import Path
 from typing import Any
 
-from tools import calculator_eval
+from tools import calculator_eval, calculator_format, calculator_names, calculator_parse
 from tools.base import ErrorKind, Tool, ToolError, ToolResult
-from tools.calculator_eval import FUNCTIONS
+from tools.calculator_names import FUNCTIONS
 from tools.sandbox import Backend, PythonTool
 
 __all__ = ["CalculatorTool", "calculate", "FUNCTIONS"]
 
-_EVALUATOR_SOURCE = Path(calculator_eval.__file__).read_text(encoding="utf-8")
+#: the evaluator's modules, each after the ones it imports: the order the snippet defines them in
+EVALUATOR_MODULES = (calculator_names, calculator_parse, calculator_format, calculator_eval)
 
 
 def _pack(data: bytes) -> str:
@@ -37,15 +38,32 @@ def _pack(data: bytes) -> str:
 
 
 def _program() -> str:
-    """The snippet's first lines: they define the evaluator from its bytecode when the sandbox's
-    interpreter reads this one's (compiling ~450 lines would cost ~9 ms per call), else from its
-    source (e.g. a docker image with another Python)."""
-    bytecode = _pack(marshal.dumps(compile(_EVALUATOR_SOURCE, "calculator_eval", "exec")))
-    source = _pack(_EVALUATOR_SOURCE.encode("utf-8"))
+    """The snippet's first lines: they define the evaluator's modules from their bytecode when the
+    sandbox's interpreter reads this one's (compiling ~550 lines would cost ~10 ms per call), else
+    from their source (e.g. a docker image with another Python), and bind ``reply``. The modules
+    import each other by name, so each is in ``sys.modules`` while they load; afterwards
+    ``sys.modules`` is as it was (a snippet run in this process leaves the real modules there)."""
+    entries = ""
+    for module in EVALUATOR_MODULES:
+        text = Path(module.__file__).read_text(encoding="utf-8")
+        bytecode = _pack(marshal.dumps(compile(text, module.__name__.rpartition(".")[2], "exec")))
+        entries += f"    ({module.__name__!r}, {bytecode}, {_pack(text.encode('utf-8'))}),\n"
+    names = tuple(m.__name__ for m in EVALUATOR_MODULES)
     return (
-        "import base64, marshal, zlib\nfrom importlib.util import MAGIC_NUMBER\n"
-        f"exec(marshal.loads(zlib.decompress(base64.b64decode({bytecode})))\n"
-        f"     if MAGIC_NUMBER == {MAGIC_NUMBER!r} else zlib.decompress(base64.b64decode({source})).decode())\n"
+        "import base64, marshal, sys, types, zlib\nfrom importlib.util import MAGIC_NUMBER\n"
+        f"_same = MAGIC_NUMBER == {MAGIC_NUMBER!r}\n"
+        f"_saved = {{_name: sys.modules.pop(_name, None) for _name in {names!r}}}\n"
+        "try:\n"
+        "    for _name, _code, _text in (\n" + entries + "    ):\n"
+        "        _module = sys.modules[_name] = types.ModuleType(_name)\n"
+        "        exec(marshal.loads(zlib.decompress(base64.b64decode(_code))) if _same\n"
+        "             else zlib.decompress(base64.b64decode(_text)).decode(), _module.__dict__)\n"
+        "    reply = _module.reply\n"
+        "finally:\n"
+        "    for _name, _old in _saved.items():\n"
+        "        sys.modules.pop(_name, None)\n"
+        "        if _old is not None:\n"
+        "            sys.modules[_name] = _old\n"
     )
 
 

@@ -15,6 +15,9 @@ requests into one running batch that shares forward passes:
 Log-probs follow the Engine contract: ``log_softmax(logits / temperature)`` over the full
 vocabulary for the sampled token (top-k/top-p truncation only decides what can be sampled). For
 greedy decoding (``temperature == 0``) the log-probs are those of the raw logits (temperature 1).
+
+Checking a call and sampling are in :mod:`agent_env.engines.hf_sampling`; merging prefilled rows
+into the running batch's KV cache and dropping finished ones, in :mod:`agent_env.engines.hf_batch`.
 """
 
 from __future__ import annotations
@@ -26,57 +29,21 @@ import os
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams
+from agent_env.engines.hf_batch import RunningBatch, zero_padding
+from agent_env.engines.hf_sampling import Request, make_request, sample
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HFEngine"]
 
 
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    generator: torch.Generator
-    stop_ids: frozenset[int]
-    stop_window: int  # tokens to decode when looking for a stop string
-    out_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def resolve(self, reason: str | None = None) -> None:
-        out = GenerationOutput(list(self.out_ids), list(self.logprobs), reason or self.finish_reason or "abort")
-
-        def _set() -> None:
-            if not self.future.done():
-                self.future.set_result(out)
-
-        _call_in_loop(self.loop, _set)
-
-    def fail(self, exc: BaseException) -> None:
-        def _set() -> None:
-            if not self.future.done():
-                self.future.set_exception(exc)
-
-        _call_in_loop(self.loop, _set)
-
-
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn) -> None:
-    try:
-        loop.call_soon_threadsafe(fn)
-    except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
-        pass
-
-
-class HFEngine:
+class HFEngine(RunningBatch):
     """Engine over a Hugging Face causal LM (CPU or GPU), continuous batching with a KV cache.
 
     Args:
@@ -152,8 +119,8 @@ class HFEngine:
         self._eos_ids: frozenset[int] = frozenset(self._collect_eos_ids() if stop_at_eos else ())
         self._seed_rng = random.Random(seed) if seed is not None else None
         self._lock = threading.Lock()  # one compute step or weight update at a time
-        self._waiting: deque[_Request] = deque()
-        self._active: list[_Request] = []
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
         self._cache = None  # DynamicCache of the running batch
         self._mask: torch.Tensor | None = None  # [B, T] attention mask over cached positions
         self._next: torch.Tensor | None = None  # [B] last sampled token, not yet in the cache
@@ -168,7 +135,15 @@ class HFEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         if self._closed:
             raise EngineError("this HFEngine is closed")
-        req = self._make_request(prompt_ids, params)
+        req = make_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            context=getattr(self.model.config, "max_position_embeddings", None),
+            has_tokenizer=self.tokenizer is not None,
+            seed_rng=self._seed_rng,
+            eos_ids=self._eos_ids,
+        )
         self._ensure_worker()
         self._waiting.append(req)
         assert self._wake is not None
@@ -220,47 +195,6 @@ class HFEngine:
             ids.extend([source] if isinstance(source, int) else list(source))
         return ids
 
-    def _make_request(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
-        if not isinstance(params, SamplingParams):
-            raise EngineError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise EngineError("prompt_ids is empty: the engine needs at least one prompt token")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise EngineError(f"prompt_ids contain ids outside the vocabulary [0, {self.vocab_size})")
-        if params.max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise EngineError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise EngineError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k == 0 or params.top_k < -1:
-            raise EngineError(f"top_k must be -1 (disabled) or >= 1, got {params.top_k}")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit is not None and len(prompt) >= limit:
-            raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
-        stops = [s for s in params.stop if s]
-        if stops and self.tokenizer is None:
-            raise EngineError("stop strings need a tokenizer: pass tokenizer= to HFEngine")
-        seed = params.seed
-        if seed is None and self._seed_rng is not None:
-            seed = self._seed_rng.getrandbits(63)
-        gen = torch.Generator(device="cpu")
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-        loop = asyncio.get_running_loop()
-        return _Request(
-            prompt_ids=prompt,
-            params=params,
-            future=loop.create_future(),
-            loop=loop,
-            generator=gen,
-            stop_ids=frozenset(int(t) for t in params.stop_token_ids) | self._eos_ids,
-            stop_window=(4 * max(map(len, stops)) + 2) if stops else 0,
-        )
-
     # ------------------------------------------------------------------ background loop
 
     def _ensure_worker(self) -> None:
@@ -298,10 +232,6 @@ class HFEngine:
         self._waiting.clear()
         self._reset_batch()
 
-    def _reset_batch(self) -> None:
-        self._active = []
-        self._cache = self._mask = self._next = self._pos = None
-
     # ------------------------------------------------------------------ compute (worker thread)
 
     @torch.no_grad()
@@ -324,7 +254,7 @@ class HFEngine:
             finished += [i for i, r in enumerate(self._active) if r.future.done() and i not in finished]
             if finished:
                 self._drop_rows(sorted(set(finished)))
-        admit: list[_Request] = []
+        admit: list[Request] = []
         while self._waiting and len(self._active) + len(admit) < self.max_batch_size:
             req = self._waiting.popleft()
             if req.future.done() or req.finish_reason == "abort":
@@ -359,7 +289,7 @@ class HFEngine:
         self.stats["decoded_rows"] += b
         return self._accept(self._active, logits, rows=range(b))
 
-    def _prefill(self, reqs: list[_Request]) -> None:
+    def _prefill(self, reqs: list[Request]) -> None:
         from transformers import DynamicCache
 
         seqs = [r.prompt_ids + r.out_ids for r in reqs]  # out_ids is non-empty after a weight update
@@ -374,16 +304,16 @@ class HFEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits, cache = self._forward(ids, mask, pos, cache)
-        self._zero_padding(cache, mask)
+        zero_padding(cache, mask)
         self.stats["prefills"] += 1
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)
         self._merge(reqs, cache, mask, lengths)
         first = len(self._active) - len(reqs)
         self._accept(reqs, logits, rows=range(first, first + len(reqs)))
 
-    def _accept(self, reqs: list[_Request], logits: torch.Tensor, rows: range) -> list[int]:
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, rows: range) -> list[int]:
         """Sample one token per row, record it, set it as the row's next input; return finished rows."""
-        tokens, logprobs = _sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         assert self._next is not None
         self._next[rows.start : rows.stop] = tokens.to(self.device)
         finished = []
@@ -402,84 +332,13 @@ class HFEngine:
                 finished.append(row)
         return finished
 
-    def _hit_stop_string(self, req: _Request) -> bool:
+    def _hit_stop_string(self, req: Request) -> bool:
         if not req.stop_window:
             return False
         # A stop string that just appeared ends inside the newest token and spans at most
         # 4 bytes per character, hence at most stop_window tokens (each token has >= 1 byte).
         tail = self.tokenizer.decode(req.out_ids[-req.stop_window :], skip_special_tokens=False)
         return any(s and s in tail for s in req.params.stop)
-
-    # ------------------------------------------------------------------ batch bookkeeping
-
-    @staticmethod
-    def _layers(cache) -> list:
-        layers = getattr(cache, "layers", None)
-        if layers is None:
-            raise EngineError("unsupported KV cache (needs transformers >= 4.56 DynamicCache layers)")
-        for layer in layers:
-            if type(layer).__name__ != "DynamicLayer":
-                raise EngineError(
-                    f"HFEngine batches full-attention KV caches only; this model uses {type(layer).__name__}"
-                )
-        return layers
-
-    def _zero_padding(self, cache, mask: torch.Tensor) -> None:
-        # Padded positions are masked out; zeroing them makes sure no NaN can leak through 0 * NaN.
-        pad = (mask == 0)[:, None, :, None]
-        if pad.any():
-            for layer in self._layers(cache):
-                layer.keys.masked_fill_(pad, 0.0)
-                layer.values.masked_fill_(pad, 0.0)
-
-    def _merge(self, reqs: list[_Request], cache, mask: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Append prefilled rows to the running batch, left-padding whichever side is shorter."""
-        n = len(reqs)
-        new_next = torch.zeros(n, dtype=torch.long, device=self.device)
-        if not self._active:
-            self._active = list(reqs)
-            self._cache, self._mask, self._next, self._pos = cache, mask, new_next, lengths.clone()
-            return
-        assert self._mask is not None and self._next is not None and self._pos is not None
-        t_old, t_new = self._mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-        old_layers, new_layers = self._layers(self._cache), self._layers(cache)
-        for old, new in zip(old_layers, new_layers):
-            for name in ("keys", "values"):
-                a, b = getattr(old, name), getattr(new, name)
-                a = torch.nn.functional.pad(a, (0, 0, width - t_old, 0))
-                b = torch.nn.functional.pad(b, (0, 0, width - t_new, 0))
-                setattr(old, name, torch.cat([a, b], dim=0))
-        self._mask = torch.cat(
-            [
-                torch.nn.functional.pad(self._mask, (width - t_old, 0)),
-                torch.nn.functional.pad(mask, (width - t_new, 0)),
-            ],
-            dim=0,
-        )
-        self._next = torch.cat([self._next, new_next])
-        self._pos = torch.cat([self._pos, lengths])
-        self._active.extend(reqs)
-
-    def _drop_rows(self, rows: list[int]) -> None:
-        gone = set(rows)
-        keep = [i for i in range(len(self._active)) if i not in gone]
-        if not keep:
-            self._reset_batch()
-            return
-        assert self._mask is not None and self._next is not None and self._pos is not None
-        idx = torch.tensor(keep, device=self.device)
-        mask = self._mask.index_select(0, idx)
-        # Trim left columns that are padding for every remaining row.
-        live = mask.any(dim=0).nonzero()
-        start = int(live[0]) if len(live) else 0
-        for layer in self._layers(self._cache):
-            layer.keys = layer.keys.index_select(0, idx)[:, :, start:, :]
-            layer.values = layer.values.index_select(0, idx)[:, :, start:, :]
-        self._mask = mask[:, start:]
-        self._next = self._next.index_select(0, idx)
-        self._pos = self._pos.index_select(0, idx)
-        self._active = [self._active[i] for i in keep]
 
     # ------------------------------------------------------------------ weights
 
@@ -507,40 +366,3 @@ class HFEngine:
                     if not req.future.done():
                         self._waiting.appendleft(req)
                 self._reset_batch()
-
-
-def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]):
-    """One token per row with per-row temperature/top-k/top-p and per-row generators.
-
-    Returns ``(tokens [B], logprobs [B])``; log-probs are under ``softmax(logits / T)`` over the
-    full vocabulary (raw logits for greedy rows).
-    """
-    b, v = logits.shape
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    greedy = temps == 0
-    logp = torch.log_softmax(logits.cpu() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-    tokens = logp.argmax(dim=-1)
-    sample_rows = (~greedy).nonzero().flatten().tolist()
-    if sample_rows:
-        sub = logp[sample_rows]
-        u = torch.stack([torch.rand((), generator=generators[i], dtype=torch.float64) for i in sample_rows]).float()
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else v for i in sample_rows])
-        top_p = torch.tensor([params[i].top_p for i in sample_rows], dtype=torch.float32)
-        if bool((top_k < v).any() or (top_p < 1).any()):
-            sorted_logp, order = sub.sort(dim=-1, descending=True)
-            probs = sorted_logp.exp()
-            ranks = torch.arange(v)[None, :]
-            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            keep = (ranks < top_k[:, None]) & ((before < top_p[:, None]) | (ranks == 0))
-            probs = torch.where(keep, probs, 0.0)
-        else:
-            order, probs = None, sub.exp()
-        cdf = probs.cumsum(dim=-1)
-        target = (u * cdf[:, -1])[:, None]
-        choice = torch.searchsorted(cdf, target, right=True).flatten()
-        # Guard against float round-off at the top end: never pick a zero-probability token.
-        last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
-        choice = torch.minimum(choice, last_kept)
-        picked = order.gather(1, choice[:, None]).flatten() if order is not None else choice
-        tokens[sample_rows] = picked
-    return tokens, logp.gather(1, tokens[:, None]).flatten()

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_env.engines import Engine, EngineError, HFEngine, SamplingParams
-from agent_env.engines.hf import _sample
+from agent_env.engines.hf_sampling import sample
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +266,7 @@ def test_sampler_matches_distribution():
     ]
     for sp in cases:
         gens = [torch.Generator().manual_seed(i) for i in range(n)]
-        tokens, lps = _sample(logits.repeat(n, 1), [sp] * n, gens)
+        tokens, lps = sample(logits.repeat(n, 1), [sp] * n, gens)
         probs = torch.softmax(logits / sp.temperature, -1)
         assert torch.allclose(lps, probs.log()[tokens], atol=1e-5)
         order = probs.argsort(descending=True)

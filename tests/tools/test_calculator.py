@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from fractions import Fraction
 from importlib.util import MAGIC_NUMBER
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 import tools.calculator
 from tools import ErrorKind, ToolError, get_tool
 from tools.calculator import CalculatorTool, calculate, snippet
-from tools.sandbox.pool import descendants
+from tools.sandbox.host_worker import descendants
 
 # one event loop for the module: the sandbox workers a tool started stay usable between calls
 RUNNER = asyncio.Runner()
@@ -441,23 +442,32 @@ def test_close_leaves_no_process(make_tool):
 
 
 def test_evaluator_is_runnable_inside_the_sandbox():
-    """tools/calculator_eval.py runs where the otb-tir packages are not importable: stdlib and
-    sympy only; its error kinds are ErrorKind names."""
-    source = open(tools.calculator.calculator_eval.__file__, encoding="utf-8").read()
-    imported = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add((node.module or "").split(".")[0])
-    assert imported <= {"__future__", "ast", "functools", "json", "operator", "re", "typing", "sympy"}, imported
-    kinds = {
-        n.args[0].value
-        for n in ast.walk(ast.parse(source))
-        if isinstance(n, ast.Call)
-        and getattr(n.func, "id", None) == "CalcError"
-        and isinstance(n.args[0], ast.Constant)
-    }
+    """The evaluator's modules (tools/calculator_eval.py and the siblings it imports) run where the
+    otb-tir packages are not importable: stdlib, sympy and each other only (the snippet defines
+    every one of them, each after those it imports); their error kinds are ErrorKind names."""
+    modules = tools.calculator.EVALUATOR_MODULES
+    assert modules[-1] is tools.calculator.calculator_eval
+    kinds = set()
+    for i, module in enumerate(modules):
+        source = open(module.__file__, encoding="utf-8").read()
+        imported, siblings = set(), set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tools."):
+                siblings.add(node.module)
+            elif isinstance(node, ast.ImportFrom):
+                imported.add((node.module or "").split(".")[0])
+        allowed = {"__future__", "ast", "functools", "json", "operator", "re", "typing", "sympy"}
+        assert imported <= allowed, (module.__name__, imported)
+        assert siblings <= {m.__name__ for m in modules[:i]}, (module.__name__, siblings)
+        kinds |= {
+            n.args[0].value
+            for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Call)
+            and getattr(n.func, "id", None) == "CalcError"
+            and isinstance(n.args[0], ast.Constant)
+        }
     assert kinds and all(isinstance(getattr(ErrorKind, k, None), str) for k in kinds), kinds
 
 
@@ -467,5 +477,7 @@ def test_snippet_defines_the_evaluator_from_bytecode_or_source(bytecode, capsys)
     if not bytecode:  # a sandbox interpreter whose bytecode differs from this one's
         assert repr(MAGIC_NUMBER) in code
         code = code.replace(repr(MAGIC_NUMBER), repr(b"other"))
+    before = {name: sys.modules.get(name) for name in ("tools.calculator_eval", "tools.calculator_names")}
     exec(compile(code, "<snippet>", "exec"), {"__name__": "__main__"})  # noqa: S102 - our own snippet
     assert json.loads(capsys.readouterr().out) == [True, None, "x = -2, x = 2"]
+    assert all(sys.modules.get(name) is module for name, module in before.items())  # left as they were

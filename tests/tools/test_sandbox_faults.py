@@ -21,7 +21,7 @@ import pytest
 from tests.tools.test_sandbox import HAVE_BWRAP, LIGHT, call
 from tools.base import ErrorKind
 from tools.sandbox import PythonTool
-from tools.sandbox.pool import _pid_running
+from tools.sandbox.host_worker import _pid_running
 
 BACKEND = "bwrap" if HAVE_BWRAP else "unisolated"
 

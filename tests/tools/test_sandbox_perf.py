@@ -22,7 +22,7 @@ from tests.tools.test_sandbox import HAVE_BWRAP, LIGHT, call
 from tools.base import ErrorKind, ToolError
 from tools.sandbox import PythonTool
 from tools.sandbox.backends import UnisolatedBackend, make_backend
-from tools.sandbox.pool import _minimal_env
+from tools.sandbox.host_worker import _minimal_env
 
 BACKEND = "bwrap" if HAVE_BWRAP else "unisolated"
 _HDR = struct.Struct(">I")

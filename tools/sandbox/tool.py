@@ -14,7 +14,8 @@ from typing import Any
 
 from tools.base import ErrorKind, Tool, ToolError, ToolResult
 from tools.sandbox.backends import Backend, DockerBackend, make_backend
-from tools.sandbox.pool import RunReply, WorkerDied, WorkerPool, WorkerProcess
+from tools.sandbox.host_worker import RunReply, WorkerDied, WorkerProcess
+from tools.sandbox.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
