@@ -118,16 +118,43 @@ def paired_proxies(
 
 
 class _NoStep:
-    """An optimizer stand-in for ``ppo_update``: gradients are computed, never applied."""
+    """An optimizer stand-in for ``ppo_update``: gradients are computed, never applied
+    (``on_step(model)``, if given, sees them where the optimizer would step)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, on_step: Callable[[torch.nn.Module], None] | None = None):
+        self.model, self.on_step = model, on_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
-        pass
+        if self.on_step is not None:
+            self.on_step(self.model)
+
+
+def _policy_gradient_pass(
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    settings,
+    on_step: Callable[[torch.nn.Module], None] | None = None,
+) -> dict[str, float]:
+    """The trainer's ``ppo_update`` on the whole batch as one mini-batch (KL and entropy terms off,
+    no clipping), with no optimizer step; ``on_step`` sees the gradients. Returns its metrics; the
+    weights are not changed and the gradients are cleared."""
+    from otb_tir.trainer.actor import ppo_update
+
+    batch = dict(tensors)
+    batch["advantages"], batch["loss_mask"] = advantages, loss_mask
+    s = dataclasses.replace(settings, kl_loss_coef=0.0, entropy_coeff=0.0, grad_clip=math.inf)
+    was_training = model.training
+    try:
+        rows = torch.arange(batch["responses"].shape[0])
+        return ppo_update(model, _NoStep(model, on_step), batch, [rows], s)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
 
 
 def policy_gradient_norm(
@@ -140,19 +167,30 @@ def policy_gradient_norm(
     """‖ḡ‖: the norm of the token-mean PPO policy gradient over the whole batch at the current weights
     (ratio 1, so exactly the policy gradient), computed by the trainer's own ``ppo_update`` as one
     mini-batch (KL and entropy terms off); the weights are not changed and the gradients are cleared."""
-    from otb_tir.trainer.actor import ppo_update
+    return _policy_gradient_pass(model, tensors, advantages, loss_mask, settings)["actor/grad_norm"]
 
-    batch = dict(tensors)
-    batch["advantages"], batch["loss_mask"] = advantages, loss_mask
-    s = dataclasses.replace(settings, kl_loss_coef=0.0, entropy_coeff=0.0, grad_clip=math.inf)
-    was_training = model.training
-    try:
-        rows = torch.arange(batch["responses"].shape[0])
-        metrics = ppo_update(model, _NoStep(model), batch, [rows], s)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-    return metrics["actor/grad_norm"]
+
+def policy_gradient(
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    settings,
+) -> torch.Tensor:
+    """ḡ itself: the gradient :func:`policy_gradient_norm` measures, flattened into one float32 CPU
+    vector in ``model.parameters()`` order (a parameter without a gradient contributes zeros; all NaN
+    when the gradient is not finite, where the trainer would skip its step)."""
+    params = list(model.parameters())
+    got: list[torch.Tensor] = []
+
+    def keep(m: torch.nn.Module) -> None:
+        flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params]
+        got.append(torch.cat(flat).float().cpu())
+
+    _policy_gradient_pass(model, tensors, advantages, loss_mask, settings, on_step=keep)
+    if not got:
+        return torch.full((sum(p.numel() for p in params),), math.nan)
+    return got[0]
 
 
 class PairedRecorder:
