@@ -9,10 +9,11 @@ when a turn is an answer in the episode (a turn without tool calls ends the epis
 when it finds one, else as a void turn; :meth:`Task.answer`) and gives the rewards
 ``extra_info["extracted_answer"]`` — the math extraction (:func:`math_answer`: ``\\boxed``,
 "answer:") unless the task gives its own; ``tools`` are the tool names the task uses when the
-run names none (``multi_turn.tools``).
+run names none (``multi_turn.tools``); ``settings`` are config defaults the task needs (more turns,
+a larger token budget), applied unless the user set those keys.
 
 Names resolve through :data:`TASKS`, the one plugin mechanism (:class:`tools.plugins.Registry`):
-the built-ins ``arith`` and ``chain`` (registered the same way), entry points of group
+the built-ins ``arith``, ``chain`` and ``multistep`` (registered the same way), entry points of group
 ``otb_tir.tasks``, and paths ``package.module:task`` / ``path/to/file.py:task`` (a :class:`Task`,
 or a function returning one)::
 
@@ -31,8 +32,8 @@ or a function returning one)::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from agent_env import EnvError
 from agent_env.math_task.reward import extract_answer as _math_extract
@@ -61,6 +62,9 @@ class Task:
     extract_answer: Callable[[str], str | None] = math_answer  # the final answer in a text, or None
     tools: tuple[str, ...] | None = None  # tool names used when the run names none; None: python, calculator
     warm_start: str = "arith"  # the built-in warm start of the default tiny policy (model.path unset)
+    #: config defaults the task needs, by dotted key (e.g. ``{"multi_turn.max_assistant_turns": 5}``):
+    #: a run applies each one unless the user set that key (otb_tir.builders.apply_task_settings)
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.extract_answer is None:  # None (as before a default existed): the math extraction
@@ -80,7 +84,7 @@ class Task:
         return found
 
 
-def _builtin(task: str) -> Task:
+def _builtin(task: str, settings: Mapping[str, Any] | None = None) -> Task:
     from agent_env.math_task.data import TASKS as GENERATORS
     from agent_env.math_task.data import make_split
 
@@ -90,12 +94,24 @@ def _builtin(task: str) -> Task:
         return make_split(split, n, seed=seed, task=task)
 
     return Task(
-        name=task, data_source=data_source, make_split=split, reward="math", extract_answer=math_answer, warm_start=task
+        name=task,
+        data_source=data_source,
+        make_split=split,
+        reward="math",
+        extract_answer=math_answer,
+        warm_start=task,
+        settings=dict(settings or {}),
     )
 
 
 ARITH = _builtin("arith")
 CHAIN = _builtin("chain")
+#: three or four dependent calculator steps: five assistant turns for the longest (a call per step,
+#: then the answer) and one spare, and a token budget that fits them
+MULTISTEP = _builtin(
+    "multistep",
+    {"multi_turn.max_assistant_turns": 6, "rollout.response_length": 320, "rollout.max_tokens_per_turn": 96},
+)
 
 
 def _check_task(obj: Any, name: str) -> None:
@@ -108,7 +124,7 @@ def _check_task(obj: Any, name: str) -> None:
 TASKS = Registry(
     "task",
     "otb_tir.tasks",
-    {"arith": f"{__name__}:ARITH", "chain": f"{__name__}:CHAIN"},
+    {"arith": f"{__name__}:ARITH", "chain": f"{__name__}:CHAIN", "multistep": f"{__name__}:MULTISTEP"},
     error=EnvError,
     check=_check_task,
 )

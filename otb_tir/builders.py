@@ -6,7 +6,8 @@ evaluation and the verl launcher; none of them owns it (recipes wire them):
 * :func:`episode_config`: agent_env's episode settings from the ``rollout``, ``multi_turn`` and
   ``reward`` sections (:meth:`agent_env.EpisodeConfig.from_sections`, the one translation);
 * :func:`task`: the run's task (``data.task``), :func:`check_plugins`: every name a config gives
-  an extension point (task, tool-call format, rewards, estimator) resolved at start, and
+  an extension point (task, tool-call format, rewards, estimator) resolved at start,
+  :func:`check_sections`: that and the ranges of the keys training and eval share, and
   :func:`resolved_plugins`: what they resolved to and from where (``summary.json``, the eval report);
 * :func:`resolve_device`, :func:`seed_everything`.
 """
@@ -22,6 +23,8 @@ from otb_tir import ConfigError
 __all__ = [
     "build_tools",
     "check_plugins",
+    "check_sections",
+    "apply_task_settings",
     "episode_config",
     "policy_path",
     "resolve_device",
@@ -109,6 +112,24 @@ def task(cfg: Any) -> Any:
         raise ConfigError(f"data.task: {e}") from None
 
 
+def apply_task_settings(cfg: Any, given: frozenset[str]) -> None:
+    """The task's config defaults (:attr:`agent_env.tasks.Task.settings`) applied to ``cfg``, each
+    unless the user set that key (``given``); a key of a section this config lacks (e.g. ``actor``
+    in eval) is skipped, an unknown key of a section it has is a ConfigError naming the task."""
+    from omegaconf import OmegaConf
+
+    for key, value in task(cfg).settings.items():
+        section = key.split(".", 1)[0]
+        if key in given or section not in cfg:
+            continue
+        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            raise ConfigError(f"data.task={cfg.data.task}: its setting {key!r} is not a config key")
+        OmegaConf.update(cfg, key, value, merge=False)
+
+
+_MISSING = object()
+
+
 def task_split(cfg: Any, split: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` items of ``split`` from the run's task, checked: verl-format dicts with a prompt and a
     ``reward_model.ground_truth`` (a user's task that returns something else is a ConfigError)."""
@@ -162,6 +183,21 @@ def check_plugins(cfg: Any) -> None:
         from otb_tir.advantage import ESTIMATORS
 
         ESTIMATORS.resolve(cfg.algorithm.adv_estimator)  # raises ConfigError naming the problem
+
+
+def check_sections(cfg: Any) -> None:
+    """The checks training and eval share, each key checked in one place: the plugins
+    (:func:`check_plugins`), ``rollout.n``, and the episode's ``rollout`` / ``multi_turn`` /
+    ``reward`` keys by :class:`agent_env.EpisodeConfig`'s own validator."""
+    from agent_env import EnvError
+
+    check_plugins(cfg)
+    if cfg.rollout.n <= 0:
+        raise ConfigError(f"'rollout.n' must be > 0; got {cfg.rollout.n}")
+    try:
+        episode_config(cfg)
+    except EnvError as e:
+        raise ConfigError(str(e).removeprefix("invalid episode config: ")) from None
 
 
 def resolved_plugins(cfg: Any, tools: Any = None) -> dict[str, Any]:

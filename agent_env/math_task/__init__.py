@@ -1,7 +1,8 @@
 """The built-in task: math problems solved with tools, beside the generic multi-turn environment.
 
 * :mod:`agent_env.math_task.data` — the problem generator (kinds, held-out split), verl-format
-  parquet I/O and the prompt;
+  parquet I/O and the prompt; the stepped tasks' generators (chain, multistep) are in
+  :mod:`agent_env.math_task.chains`, one problem's record in :mod:`agent_env.math_task.problem`;
 * :mod:`agent_env.math_task.reward` — the answer extraction and the math reward
   (:class:`~agent_env.math_task.reward.RewardConfig`, the one reward config);
 * :mod:`agent_env.math_task.verify` — bounded grading (math-verify / sympy in a killable child).

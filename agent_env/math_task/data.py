@@ -13,7 +13,9 @@ Every item is a dict in verl's RL-dataset format::
 ``extra_info["expression"]`` is a calculator/sympy expression whose value is the answer (the
 calculator tool can evaluate it as is; Python can too, except ``sqrt``). Problems are sized so a
 tool call clearly helps a tiny model: 3-5 digit products, 4-5 digit sums, large powers, modular
-arithmetic on big numbers, fractions and small equations.
+arithmetic on big numbers, fractions and small equations. The stepped tasks ``chain`` and
+``multistep`` (:mod:`agent_env.math_task.chains`) go through the same splits and format, with the
+calculator steps in ``extra_info["steps"]``.
 
 Train and held-out problems are disjoint *by construction*: each candidate problem is assigned to
 a split by a hash of its canonical key (kind + numbers), independently of the seed, so no seed of
@@ -26,12 +28,20 @@ import hashlib
 import json
 import logging
 import random
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from agent_env import EnvError
+from agent_env.math_task.chains import (
+    CHAIN_DATA_SOURCE,
+    CHAIN_GENERATORS,
+    CHAIN_KINDS,
+    MULTISTEP_DATA_SOURCE,
+    MULTISTEP_GENERATORS,
+    MULTISTEP_KINDS,
+)
+from agent_env.math_task.problem import Problem, fmt, pick
 
 logger = logging.getLogger(__name__)
 
@@ -44,29 +54,6 @@ TEST_PERCENT = 20
 INSTRUCTION = "Put the final answer in \\boxed{}."
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One generated problem before it is wrapped in verl's format."""
-
-    kind: str
-    question: str
-    expression: str  # evaluates (sympy) to the answer
-    answer: str  # canonical exact answer: an integer or a reduced fraction "p/q"
-    key: str  # canonical identity of the problem (kind + numbers), used for the split hash
-    #: the chain task's calculator steps: each step after the first refers to the previous
-    #: step's result as ``{r}`` (empty for the single-step arith task)
-    steps: tuple[str, ...] = ()
-
-
-def _fmt(value: Fraction | int) -> str:
-    value = Fraction(value)
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-
-
-def _pick(rng: random.Random, options: list[str]) -> str:
-    return options[rng.randrange(len(options))]
-
-
 # --- one generator per kind -------------------------------------------------------------------
 # Each takes an RNG and returns a Problem. Phrasings are short and fixed-shape so a tiny model can
 # learn to copy the numbers into a tool call.
@@ -75,7 +62,7 @@ def _pick(rng: random.Random, options: list[str]) -> str:
 def _gen_mul(rng: random.Random) -> Problem:
     a = rng.randint(100, 9999)
     b = rng.randint(12, 999)
-    q = _pick(
+    q = pick(
         rng,
         [
             f"A farm packs {a} crates with {b} apples in each crate. How many apples are packed in total?",
@@ -84,14 +71,14 @@ def _gen_mul(rng: random.Random) -> Problem:
             f"What is {a} times {b}?",
         ],
     )
-    return Problem("mul", q, f"{a}*{b}", _fmt(a * b), f"mul:{a}:{b}")
+    return Problem("mul", q, f"{a}*{b}", fmt(a * b), f"mul:{a}:{b}")
 
 
 def _gen_add(rng: random.Random) -> Problem:
     a = rng.randint(10000, 99999)
     b = rng.randint(1000, 99999)
     c = rng.randint(1000, a + b - 1)
-    q = _pick(
+    q = pick(
         rng,
         [
             f"A library had {a} books, bought {b} more and gave away {c}. How many books does it have now?",
@@ -99,14 +86,14 @@ def _gen_add(rng: random.Random) -> Problem:
             f"What is {a} plus {b} minus {c}?",
         ],
     )
-    return Problem("add", q, f"{a}+{b}-{c}", _fmt(a + b - c), f"add:{a}:{b}:{c}")
+    return Problem("add", q, f"{a}+{b}-{c}", fmt(a + b - c), f"add:{a}:{b}:{c}")
 
 
 def _gen_div(rng: random.Random) -> Problem:
     d = rng.randint(13, 997)
     quotient = rng.randint(101, 9999)
     n = d * quotient
-    q = _pick(
+    q = pick(
         rng,
         [
             f"{n} candies are shared equally among {d} children. How many candies does each child get?",
@@ -114,7 +101,7 @@ def _gen_div(rng: random.Random) -> Problem:
             f"What is {n} divided by {d}?",
         ],
     )
-    return Problem("div", q, f"{n}/{d}", _fmt(quotient), f"div:{n}:{d}")
+    return Problem("div", q, f"{n}/{d}", fmt(quotient), f"div:{n}:{d}")
 
 
 def _gen_frac(rng: random.Random) -> Problem:
@@ -127,20 +114,20 @@ def _gen_frac(rng: random.Random) -> Problem:
     x, y = Fraction(p, q_), Fraction(r, s)
     value = x + y if op == "+" else x * y if op == "*" else x - y
     word = {"+": "plus", "*": "times", "-": "minus"}[op]
-    q = _pick(
+    q = pick(
         rng,
         [
             f"What is {p}/{q_} {word} {r}/{s}? Give the answer as a reduced fraction.",
             f"Compute {p}/{q_} {op} {r}/{s} as a reduced fraction.",
         ],
     )
-    return Problem("frac", q, f"{p}/{q_}{op}{r}/{s}", _fmt(value), f"frac:{p}:{q_}:{op}:{r}:{s}")
+    return Problem("frac", q, f"{p}/{q_}{op}{r}/{s}", fmt(value), f"frac:{p}:{q_}:{op}:{r}:{s}")
 
 
 def _gen_pow(rng: random.Random) -> Problem:
     a = rng.randint(3, 29)
     b = rng.randint(3, 7)
-    q = _pick(
+    q = pick(
         rng,
         [
             f"A colony of cells grows {a} times larger every hour, starting from one cell. "
@@ -149,30 +136,30 @@ def _gen_pow(rng: random.Random) -> Problem:
             f"Compute {a}**{b}.",
         ],
     )
-    return Problem("pow", q, f"{a}**{b}", _fmt(a**b), f"pow:{a}:{b}")
+    return Problem("pow", q, f"{a}**{b}", fmt(a**b), f"pow:{a}:{b}")
 
 
 def _gen_mod(rng: random.Random) -> Problem:
     m = rng.randint(7, 97)
     if rng.random() < 0.5:
         a, b = rng.randint(1000, 99999), rng.randint(100, 9999)
-        q = _pick(
+        q = pick(
             rng,
             [
                 f"What is the remainder when {a} times {b} is divided by {m}?",
                 f"Compute ({a}*{b}) mod {m}.",
             ],
         )
-        return Problem("mod", q, f"({a}*{b}) % {m}", _fmt((a * b) % m), f"modmul:{a}:{b}:{m}")
+        return Problem("mod", q, f"({a}*{b}) % {m}", fmt((a * b) % m), f"modmul:{a}:{b}:{m}")
     a, b = rng.randint(2, 99), rng.randint(5, 30)
-    q = _pick(
+    q = pick(
         rng,
         [
             f"What is the remainder when {a} to the power of {b} is divided by {m}?",
             f"Compute ({a}**{b}) mod {m}.",
         ],
     )
-    return Problem("mod", q, f"({a}**{b}) % {m}", _fmt(pow(a, b, m)), f"modpow:{a}:{b}:{m}")
+    return Problem("mod", q, f"({a}**{b}) % {m}", fmt(pow(a, b, m)), f"modpow:{a}:{b}:{m}")
 
 
 def _signed(value: int) -> str:
@@ -184,7 +171,7 @@ def _gen_linear(rng: random.Random) -> Problem:
     x = rng.randint(-999, 999)
     b = rng.randint(-9999, 9999)
     c = a * x + b
-    q = _pick(
+    q = pick(
         rng,
         [
             f"Solve for x: {a}*x {_signed(b)} = {c}.",
@@ -192,7 +179,7 @@ def _gen_linear(rng: random.Random) -> Problem:
         ],
     )
     expr = f"({c} - {b})/{a}" if b >= 0 else f"({c} + {-b})/{a}"
-    return Problem("linear", q, expr, _fmt(x), f"linear:{a}:{b}:{c}")
+    return Problem("linear", q, expr, fmt(x), f"linear:{a}:{b}:{c}")
 
 
 def _gen_quadratic(rng: random.Random) -> Problem:
@@ -203,7 +190,7 @@ def _gen_quadratic(rng: random.Random) -> Problem:
     s, p = r1 + r2, r1 * r2  # x^2 - s x + p = 0
     bx = -s
     lhs = "x**2" + (f" {_signed(bx)}*x" if bx else "") + (f" {_signed(p)}" if p else "")
-    q = _pick(
+    q = pick(
         rng,
         [
             f"Find the larger solution of {lhs} = 0.",
@@ -211,7 +198,7 @@ def _gen_quadratic(rng: random.Random) -> Problem:
         ],
     )
     expr = f"({s} + sqrt(({s})**2 - 4*({p})))/2"
-    return Problem("quadratic", q, expr, _fmt(max(r1, r2)), f"quadratic:{s}:{p}")
+    return Problem("quadratic", q, expr, fmt(max(r1, r2)), f"quadratic:{s}:{p}")
 
 
 GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
@@ -227,89 +214,14 @@ GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
 KINDS = tuple(GENERATORS)
 
 
-# --- the chain task: two dependent computations ------------------------------------------------
-# Each problem chains two calculator steps: the first computes an intermediate the model cannot
-# guess (a 5-7 digit product or a power), the second applies an operation to that result. The
-# warm start's traces make one call per step, copying the first call's output into the second.
-# The whole chain is also one expression (``expression``), so an answer can be checked exactly.
-
-CHAIN_DATA_SOURCE = "otb_tir/chain"
-
-
-def _gen_chain_add(rng: random.Random) -> Problem:
-    a, b, c = rng.randint(100, 999), rng.randint(12, 99), rng.randint(100, 9999)
-    q = _pick(
-        rng,
-        [
-            f"A shop sells {a} boxes with {b} pens in each box, then {c} loose pens. How many pens does it sell?",
-            f"Compute {a} times {b}, then add {c} to the result.",
-        ],
-    )
-    return Problem(
-        "chain_add", q, f"{a}*{b}+{c}", _fmt(a * b + c), f"chain_add:{a}:{b}:{c}", (f"{a}*{b}", f"{{r}}+{c}")
-    )
-
-
-def _gen_chain_sub(rng: random.Random) -> Problem:
-    a, b = rng.randint(5, 29), rng.randint(3, 6)
-    c = rng.randint(10, min(9999, a**b - 1))
-    q = _pick(
-        rng,
-        [
-            f"A colony starts from one cell and grows {a} times larger every hour for {b} hours, "
-            f"then {c} cells die. How many cells are left?",
-            f"Compute {a} to the power of {b}, then subtract {c} from the result.",
-        ],
-    )
-    return Problem(
-        "chain_sub", q, f"{a}**{b}-{c}", _fmt(a**b - c), f"chain_sub:{a}:{b}:{c}", (f"{a}**{b}", f"{{r}}-{c}")
-    )
-
-
-def _gen_chain_div(rng: random.Random) -> Problem:
-    d = rng.randint(13, 97)
-    a = d * rng.randint(11, 99)  # a*b is divisible by d
-    b = rng.randint(12, 99)
-    q = _pick(
-        rng,
-        [
-            f"A farm packs {a} crates with {b} apples in each crate and shares the apples equally "
-            f"among {d} stores. How many apples does each store get?",
-            f"Compute {a} times {b}, then divide the result by {d}.",
-        ],
-    )
-    return Problem(
-        "chain_div", q, f"{a}*{b}/{d}", _fmt(a * b // d), f"chain_div:{a}:{b}:{d}", (f"{a}*{b}", f"{{r}}/{d}")
-    )
-
-
-def _gen_chain_mod(rng: random.Random) -> Problem:
-    a, b, m = rng.randint(100, 9999), rng.randint(12, 999), rng.randint(7, 97)
-    q = _pick(
-        rng,
-        [
-            f"Compute {a} times {b}, then find the remainder when the result is divided by {m}.",
-            f"Compute {a} times {b}, then take the result modulo {m}.",
-        ],
-    )
-    return Problem(
-        "chain_mod", q, f"({a}*{b}) % {m}", _fmt(a * b % m), f"chain_mod:{a}:{b}:{m}", (f"{a}*{b}", f"{{r}} % {m}")
-    )
-
-
-CHAIN_GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
-    "chain_add": _gen_chain_add,
-    "chain_sub": _gen_chain_sub,
-    "chain_div": _gen_chain_div,
-    "chain_mod": _gen_chain_mod,
-}
-CHAIN_KINDS = tuple(CHAIN_GENERATORS)
-
 #: The built-in tasks (``data.task``): their problem generators and data source.
 TASKS: dict[str, tuple[dict[str, Callable[[random.Random], Problem]], str]] = {
     "arith": (GENERATORS, DATA_SOURCE),
     "chain": (CHAIN_GENERATORS, CHAIN_DATA_SOURCE),
+    "multistep": (MULTISTEP_GENERATORS, MULTISTEP_DATA_SOURCE),
 }
+#: The kinds whose problems are solved in dependent steps (``Problem.steps``).
+STEPPED_KINDS = CHAIN_KINDS + MULTISTEP_KINDS
 
 
 def split_of(key: str) -> str:

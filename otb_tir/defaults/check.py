@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden-size", type=int, default=d.hidden_size)
     ap.add_argument("--layers", type=int, default=d.layers)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--task", default="arith", choices=["arith", "chain"], help="chain: + the chain task's SFT")
+    ap.add_argument(
+        "--task", default="arith", choices=["arith", "chain", "multistep"], help="+ that task's SFT stage(s)"
+    )
     ap.add_argument("--chain-steps", type=int, default=CHAIN_STEPS)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--check", type=int, default=0, metavar="N", help="evaluate on N held-out problems")
@@ -259,10 +261,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     logger.info("policy: %s (%.1f s)", path, time.perf_counter() - t)
     if args.check:
+        from agent_env.tasks import get_task
+
         items = make_split("test", args.check, seed=0, task=args.task)
+        turns = get_task(args.task).settings.get("multi_turn.max_assistant_turns", 3)
         for temp in (0.0, 1.0):
             report_dir = None if args.report_dir is None else Path(args.report_dir) / f"T{temp:g}"
-            report = asdict(evaluate_tool_use(path, items, temperature=temp, report_dir=report_dir))
+            report = asdict(evaluate_tool_use(path, items, temperature=temp, max_turns=turns, report_dir=report_dir))
             breakdown = report.pop("breakdown")
             logger.info("%s", json.dumps(report))
             logger.info("%s", format_breakdown(breakdown))

@@ -12,9 +12,10 @@ same schemas an episode puts in the system prompt). A :class:`TraceMixture` sets
 * calls the calculator with a corrupted expression (``wrong_tool``: one digit of the expression
   changed) and boxes the wrong result the tool returns.
 
-For the chain task (``data.task=chain``, two dependent steps) a ``tool`` trace makes one
-calculator call per step, the second on the first call's output, and ``stop_early`` boxes the
-first step's result instead.
+For the stepped tasks (``data.task=chain``: two dependent steps; ``multistep``: three or four) a
+``tool`` trace makes one calculator call per step, each on the previous call's output, and
+``stop_early`` boxes the first step's result instead (chain); a multistep trace stops after each
+call with probability ``STOP_HAZARD`` and boxes the last result it has (right only after every call).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class TraceMixture:
     python: float = 0.1
     guess: float = 1.0
     wrong_tool: float = 0.0
-    #: the chain task only: make the first step's call, then box its result (the intermediate,
-    #: a wrong answer) instead of calling the tool for the second step
+    #: the chain task: make the first step's call, then box its result (a wrong answer) instead
+    #: of calling the tool for the second step (multistep traces stop by ``STOP_HAZARD`` instead)
     stop_early: float = 0.0
     guess_right: float = 0.25
     tool_share: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TOOL_SHARE))
@@ -75,12 +76,12 @@ class TraceMixture:
             raise ConfigError(f"trace mixture weights must be >= 0 with a positive sum, got {self}")
         if not 0 <= self.guess_right <= 1:
             raise ConfigError(f"guess_right must be in [0, 1], got {self.guess_right}")
-        from agent_env.math_task.data import CHAIN_KINDS, KINDS
+        from agent_env.math_task.data import KINDS, STEPPED_KINDS
 
         for kind, share in self.tool_share.items():
-            if kind not in KINDS + CHAIN_KINDS:
+            if kind not in KINDS + STEPPED_KINDS:
                 raise ConfigError(
-                    f"tool_share names unknown problem kind {kind!r}; kinds: {', '.join(KINDS + CHAIN_KINDS)}"
+                    f"tool_share names unknown problem kind {kind!r}; kinds: {', '.join(KINDS + STEPPED_KINDS)}"
                 )
             if not isinstance(share, (int, float)) or not 0 <= share <= 1:
                 raise ConfigError(f"tool_share[{kind!r}] must be in [0, 1], got {share!r}")
@@ -89,16 +90,16 @@ class TraceMixture:
 
     def mode_weights(self, kind: str) -> dict[str, float]:
         """Probabilities of ``tool`` / ``python`` / ``guess`` / ``wrong_tool`` / ``stop_early`` for one
-        problem kind (``stop_early`` only for the chain task's kinds, ``python`` only where ``print``
+        problem kind (``stop_early`` only for the stepped tasks' kinds, ``python`` only where ``print``
         of the expression is the answer)."""
-        from agent_env.math_task.data import CHAIN_KINDS
+        from agent_env.math_task.data import STEPPED_KINDS
 
         w = {
             "tool": self.tool,
             "python": self.python if kind in _PYTHON_KINDS else 0.0,
             "guess": self.guess,
             "wrong_tool": self.wrong_tool,
-            "stop_early": self.stop_early if kind in CHAIN_KINDS else 0.0,
+            "stop_early": self.stop_early if kind in STEPPED_KINDS else 0.0,
         }
         if kind in self.tool_share:
             tools = w["tool"] + w["python"] + w["wrong_tool"] + w["stop_early"]
@@ -164,11 +165,27 @@ class _Plan:
     call: dict[str, Any] | None = None
     answer: str | None = None  # final boxed answer for traces without a call
     result: str | None = None  # filled in by running the tool
-    #: the chain task: calculator expressions of the later steps, ``{r}`` standing for the previous
+    #: the stepped tasks: calculator expressions of the later steps, ``{r}`` standing for the previous
     #: step's result (filled in, and run, by ``_run_plans``)
     follow: list[str] = field(default_factory=list)
     follow_calls: list[dict[str, Any]] = field(default_factory=list)
     follow_results: list[str] = field(default_factory=list)
+
+
+#: multistep (three or four steps): a calculator trace stops after each call with this
+#: probability (so the warm start's policy, like the traces, stops more often than it goes on at
+#: every step: greedy decoding stops after the first call, sampling finishes some problems, and RL
+#: has each later call to learn; docs/training.md has the measured accuracy before RL)
+STOP_HAZARD = 0.4
+
+
+def _calls_made(n_steps: int, rng: random.Random) -> int:
+    """How many of its ``n_steps`` calls a multistep trace makes: it stops after each with
+    probability :data:`STOP_HAZARD` (one draw per call made before the last)."""
+    made = 1
+    while made < n_steps and rng.random() >= STOP_HAZARD:
+        made += 1
+    return made
 
 
 def plan_trace(item: dict[str, Any], rng: random.Random, mixture: TraceMixture) -> _Plan:
@@ -179,10 +196,14 @@ def plan_trace(item: dict[str, Any], rng: random.Random, mixture: TraceMixture) 
     modes, w = zip(*mixture.mode_weights(kind).items())
     mode = rng.choices(modes, weights=w)[0]
     steps = list(item["extra_info"].get("steps") or [])
-    if steps:  # the chain task: one calculator call per step, each on the previous step's result
+    if steps:  # the stepped tasks: one calculator call per step, each on the previous step's result
         first = steps[0] if mode != "wrong_tool" else _perturb_number(steps[0], rng)
         if mode in ("tool", "wrong_tool", "stop_early"):
-            follow = [] if mode == "stop_early" else steps[1:]
+            follow = steps[1:]
+            if len(steps) > 2 and mode in ("tool", "stop_early"):  # multistep: stop after each call w.p. h
+                follow = steps[1 : _calls_made(len(steps), rng)]
+            elif mode == "stop_early":  # chain: stop after the first call
+                follow = []
             return _Plan(item, mode, {"name": "calculator", "arguments": {"expression": first}}, follow=follow)
     name, call_expr = reference_call(item)
     if mode == "tool":
@@ -242,7 +263,7 @@ async def _run_plans(plans: list[_Plan], concurrency: int = 8, in_process: bool 
         async with sem:
             text = await run(plan.call)
             plan.result = text
-            for template in plan.follow:  # the chain task: the next step on this step's result
+            for template in plan.follow:  # the stepped tasks: the next step on this step's result
                 call = {
                     "name": "calculator",
                     "arguments": {"expression": template.format(r=final_answer_from_result(text))},

@@ -6,8 +6,8 @@ to improve it. :func:`warm_start_policy` trains briefly on CPU, in two phases (`
 tool-call traces only, where the policy learns to copy the question into its calls, then ``steps``
 on the whole mixture), and caches the result under the user's cache directory keyed by every
 setting (:class:`WarmStartSettings`, the one spelling of them); :func:`task_warm_start` builds the
-chain task's policy from the arith one. ``python -m otb_tir.defaults.check`` builds it and prints
-how it uses its tools (:mod:`otb_tir.defaults.check`).
+stepped tasks' policies from it (chain from arith, multistep from chain). ``python -m
+otb_tir.defaults.check`` builds it and prints how it uses its tools (:mod:`otb_tir.defaults.check`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from otb_tir import ConfigError
+from otb_tir.defaults import traces
 from otb_tir.defaults.traces import TraceMixture, make_traces, tool_schemas
 from otb_tir.trainer.sft import SFTConfig, sft_train, tokenize_conversation
 
@@ -48,7 +49,7 @@ class WarmStartSettings:
     hidden_size: int = 128  # the built-in base model's size (ignored with an explicit ``base``)
     layers: int = 4
     mixture: TraceMixture = field(default_factory=TraceMixture)
-    task: str = "arith"  # the built-in task whose train problems the traces solve (arith | chain)
+    task: str = "arith"  # the built-in task whose train problems the traces solve (arith | chain | multistep)
 
     def validate(self) -> None:
         from agent_env.math_task.data import TASKS
@@ -168,6 +169,8 @@ def warm_start_policy(
         "base": str(base_path.resolve()),
         "base_config": (base_path / "config.json").read_text(),
         "tools": schemas,
+        # the trace rule only the multistep traces use: in their key, so a change rebuilds them
+        **({"stop_hazard": traces.STOP_HAZARD} if settings.task == "multistep" else {}),
     }
     final = artifact_dir(cache_dir, "warm", key)
 
@@ -234,6 +237,33 @@ CHAIN_MIXTURE = TraceMixture(
 #: SFT steps and traces of the chain task's warm start (continued from the arith warm start).
 CHAIN_STEPS = 400
 CHAIN_TRACES = 2000
+#: The multistep task's: calculator traces in 90 % (each stops after each call with probability
+#: ``traces.STOP_HAZARD``, so the policy stops more often than it goes on at every step: greedy
+#: decoding stops after the first call and RL has each later call to learn), direct guesses
+#: (always wrong) in 10 %. Continued from the chain warm start.
+MULTISTEP_MIXTURE = TraceMixture(
+    tool=0.9, python=0.0, guess=0.1, wrong_tool=0.0, stop_early=0.0, guess_right=0.0, tool_share={}
+)
+MULTISTEP_STEPS = 400
+MULTISTEP_TRACES = 2000
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """A stepped task's warm start: ``base`` task's policy, then SFT on this task's traces."""
+
+    base: str
+    mixture: TraceMixture
+    steps: int
+    n_traces: int
+
+
+def _stages() -> dict[str, _Stage]:
+    """The stepped tasks' warm starts (read when called, so a test can shrink them)."""
+    return {
+        "chain": _Stage("arith", CHAIN_MIXTURE, CHAIN_STEPS, CHAIN_TRACES),
+        "multistep": _Stage("chain", MULTISTEP_MIXTURE, MULTISTEP_STEPS, MULTISTEP_TRACES),
+    }
 
 
 def task_warm_start(
@@ -247,23 +277,44 @@ def task_warm_start(
     progress: bool = True,
 ) -> Path:
     """The built-in policy warm-started for ``task`` (``data.task``): the arith warm start
-    (:func:`warm_start_policy` with ``steps`` / ``copy_steps`` / ``n_traces``), and for ``chain`` that policy after
-    ``chain_steps`` more SFT steps on chain-task traces (:data:`CHAIN_MIXTURE`; cached likewise)."""
-    warmup = None if steps is None else min(WarmStartSettings.warmup_steps, steps - 1)  # short test builds
-    base = warm_start_policy(
-        cache_dir, steps=steps, copy_steps=copy_steps, n_traces=n_traces, warmup_steps=warmup, seed=0, progress=progress
-    )
+    (:func:`warm_start_policy` with ``steps`` / ``copy_steps`` / ``n_traces``); for ``chain`` that
+    policy after ``chain_steps`` more SFT steps on chain-task traces (:data:`CHAIN_MIXTURE`), for
+    ``multistep`` the chain policy after :data:`MULTISTEP_STEPS` on multistep traces
+    (:data:`MULTISTEP_MIXTURE`); each stage cached likewise."""
     if task == "arith":
-        return base
+        warmup = None if steps is None else min(WarmStartSettings.warmup_steps, steps - 1)  # short test builds
+        return warm_start_policy(
+            cache_dir,
+            steps=steps,
+            copy_steps=copy_steps,
+            n_traces=n_traces,
+            warmup_steps=warmup,
+            seed=0,
+            progress=progress,
+        )
+    stages = _stages()
+    if task not in stages:
+        raise ConfigError(f"no built-in warm start for task {task!r}; built-in: arith, {', '.join(stages)}")
+    stage = stages[task]
+    base = task_warm_start(
+        stage.base,
+        cache_dir,
+        steps=steps,
+        copy_steps=copy_steps,
+        n_traces=n_traces,
+        chain_steps=chain_steps,
+        progress=progress,
+    )
+    sft_steps = chain_steps if task == "chain" else stage.steps
     return warm_start_policy(
         cache_dir,
         base=base,
         task=task,
-        steps=chain_steps,
+        steps=sft_steps,
         copy_steps=0,
-        n_traces=CHAIN_TRACES,
-        warmup_steps=min(50, chain_steps - 1),
-        mixture=CHAIN_MIXTURE,
+        n_traces=stage.n_traces,
+        warmup_steps=min(50, sft_steps - 1),
+        mixture=stage.mixture,
         seed=0,
         progress=progress,
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from otb_tir import ConfigError
 from otb_tir.config import load_structured
@@ -81,32 +81,18 @@ EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
 
 
 def _check(cfg: DictConfig, given: frozenset[str] = frozenset()) -> None:
-    from otb_tir.builders import check_plugins
+    from otb_tir.builders import apply_task_settings, check_sections
 
-    check_plugins(cfg)
+    apply_task_settings(cfg, given)  # data.task's turns and budget, unless the user set them
+    check_sections(cfg)  # the plugins and the keys training shares (rollout.*, multi_turn.*, reward.*)
     if "eval.pass_k" not in given and cfg.rollout.n >= 1:  # the default k's follow rollout.n
         cfg.eval.pass_k = [k for k in cfg.eval.pass_k if 1 <= k <= cfg.rollout.n] or [1]
-    for key in (
-        "rollout.n",
-        "rollout.response_length",
-        "rollout.max_tokens_per_turn",
-        "rollout.max_batch_size",
-        "multi_turn.max_assistant_turns",
-        "multi_turn.max_tool_response_length",
-        "multi_turn.max_parallel_calls",
-    ):
-        if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")
+    if cfg.rollout.max_batch_size <= 0:
+        raise ConfigError(f"'rollout.max_batch_size' must be > 0; got {cfg.rollout.max_batch_size}")
     if cfg.data.size < 0:
         raise ConfigError(f"'data.size' must be >= 0 (0 = every problem of data.files); got {cfg.data.size}")
     if not cfg.data.files and cfg.data.size == 0:
         raise ConfigError("'data.size' must be > 0 with the built-in generator (data.files is empty)")
-    if cfg.rollout.temperature < 0:
-        raise ConfigError(f"'rollout.temperature' must be >= 0 (0 = greedy); got {cfg.rollout.temperature}")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"'rollout.top_p' must be in (0, 1]; got {cfg.rollout.top_p}")
-    if cfg.multi_turn.tool_timeout <= 0:
-        raise ConfigError(f"'multi_turn.tool_timeout' must be > 0; got {cfg.multi_turn.tool_timeout}")
     ks = list(cfg.eval.pass_k)
     if not ks:
         raise ConfigError("'eval.pass_k' must list at least one k (e.g. [1])")

@@ -31,7 +31,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # built-in task (generator, held-out split, warm start) when no files are given: arith (one
-    # computation per problem) | chain (two dependent computations: a tool call whose result feeds the next).
+    # computation per problem) | chain (two dependent computations: a tool call whose result feeds the next)
+    # | multistep (three or four; brings its own turns and token budget unless you set them).
     task: str = "arith"  # or a task plugin: an `otb_tir.tasks` entry point, pkg.mod:task or file.py:task
     train_files: list[str] = field(default_factory=list)  # verl-format parquet; empty → built-in generator
     # verl-format parquet of held-out problems; empty → built-in held-out split
@@ -227,28 +228,28 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def _follow_defaults(cfg: DictConfig, given: frozenset[str]) -> None:
-    """A default that depends on another key follows it unless the user set it: the PPO mini-batch
-    (prompts per optimizer step) is at most the batch and divides it."""
+    """A default that depends on another key follows it unless the user set it: the task's settings
+    (``data.task``'s turns and budget), and the PPO mini-batch (prompts per optimizer step) is at
+    most the batch and divides it."""
+    from otb_tir.builders import apply_task_settings
+
+    apply_task_settings(cfg, given)
     batch, mini = int(cfg.data.train_batch_size), int(cfg.actor.ppo_mini_batch_size)
     if "actor.ppo_mini_batch_size" not in given and batch > 0 and mini > 0 and batch % mini:
         cfg.actor.ppo_mini_batch_size = max(d for d in range(1, min(mini, batch) + 1) if batch % d == 0)
 
 
 def _check_ranges(cfg: DictConfig) -> None:
-    from otb_tir.builders import check_plugins
+    from otb_tir.builders import check_sections
 
-    check_plugins(cfg)
     if cfg.rollout.name == "auto":  # the local trainer generates with HF; verl serves the policy with vLLM
         cfg.rollout.name = "vllm" if cfg.trainer.name == "verl" else "hf"
+    check_sections(cfg)  # the plugins and the keys eval shares (rollout.*, multi_turn.*, reward.*)
     positive = [
-        "rollout.n",
-        "rollout.response_length",
-        "rollout.max_tokens_per_turn",
         "data.train_batch_size",
         "actor.ppo_mini_batch_size",
         "actor.ppo_micro_batch_size",
         "actor.ppo_epochs",
-        "multi_turn.max_assistant_turns",
         "actor.token_stats_chunk",
     ]
     for key in positive:
@@ -261,5 +262,3 @@ def _check_ranges(cfg: DictConfig) -> None:
             f"'data.train_batch_size' ({cfg.data.train_batch_size}) must be a multiple of "
             f"'actor.ppo_mini_batch_size' ({cfg.actor.ppo_mini_batch_size}), as in verl"
         )
-    if cfg.rollout.temperature < 0:
-        raise ConfigError("'rollout.temperature' must be >= 0")

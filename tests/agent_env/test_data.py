@@ -247,3 +247,113 @@ def test_chain_parquet_round_trip_keeps_the_steps(tmp_path):
     items = make_split("test", 20, task="chain")
     path = write_parquet(items, tmp_path / "chain.parquet")
     assert load_parquet(path) == items
+
+
+# --- the multistep task (data.task=multistep) --------------------------------------------------
+
+_MULTISTEP_PATTERNS = {
+    # kind: (regex over the question, how the numbers combine), written from the question's words
+    "ms_add_mod": [
+        (
+            r"Compute (\d+) times (\d+), then add (\d+), then take the result modulo (\d+)",
+            lambda a, b, c, m: (a * b + c) % m,
+        ),
+        (
+            r"sells (\d+) boxes with (\d+) pens in each box and (\d+) loose pens, "
+            r"then packs all the pens in cartons of (\d+)",
+            lambda a, b, c, m: (a * b + c) % m,
+        ),
+    ],
+    "ms_sub_div": [
+        (
+            r"Compute (\d+) to the power of (\d+), then subtract (\d+), then divide the result by (\d+)",
+            lambda a, b, c, d: Fraction(a**b - c, d),
+        ),
+        (
+            r"grows (\d+) times larger every hour for (\d+) hours from one cell, then (\d+) cells die and the rest "
+            r"are split equally among (\d+) dishes",
+            lambda a, b, c, d: Fraction(a**b - c, d),
+        ),
+    ],
+    "ms_mul_sub": [
+        (
+            r"Compute (\d+) times (\d+), then multiply the result by (\d+), then subtract (\d+)",
+            lambda a, b, c, e: a * b * c - e,
+        ),
+        (
+            r"has (\d+) rows of (\d+) trees, each tree gives (\d+) baskets of fruit, and (\d+) baskets are sold",
+            lambda a, b, c, e: a * b * c - e,
+        ),
+    ],
+    "ms_four_mod": [
+        (
+            r"Compute (\d+) times (\d+), then add (\d+), then multiply the result by (\d+), then take it modulo (\d+)",
+            lambda a, b, c, d, m: (a * b + c) * d % m,
+        )
+    ],
+    "ms_four_pow": [
+        (
+            r"Compute (\d+) to the power of (\d+), then add (\d+), "
+            r"then take the result modulo (\d+), then multiply it by (\d+)",
+            lambda a, b, c, m, d: (a**b + c) % m * d,
+        )
+    ],
+}
+
+
+def _brute_force_multistep(item: dict) -> Fraction:
+    import re
+
+    info = item["extra_info"]
+    for pattern, combine in _MULTISTEP_PATTERNS[info["kind"]]:
+        m = re.search(pattern, info["question"])
+        if m:
+            return Fraction(combine(*map(int, m.groups())))
+    raise AssertionError(f"no phrasing of {info['kind']} matches {info['question']!r}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), split=st.sampled_from(["train", "test"]))
+def test_multistep_answers_match_brute_force_their_steps_and_the_calculator(seed, split):
+    """Each answer recomputed from the question's words, from its steps run one after the other
+    (by sympy and by the calculator tool's own evaluator, as an episode would), and from its
+    one-expression form; no intermediate is the answer (stopping early is wrong) and none is 0."""
+    from agent_env.math_task.data import MULTISTEP_DATA_SOURCE, MULTISTEP_KINDS
+    from tools.calculator import calculate
+
+    items = make_split(split, 40, seed=seed, task="multistep")
+    assert {i["extra_info"]["kind"] for i in items} <= set(MULTISTEP_KINDS)
+    for item in items:
+        info = item["extra_info"]
+        truth = Fraction(item["reward_model"]["ground_truth"])
+        steps = info["steps"]
+        assert item["data_source"] == MULTISTEP_DATA_SOURCE and info["split"] == split
+        assert len(steps) in (3, 4) and "{r}" not in steps[0] and all("{r}" in s for s in steps[1:])
+        assert _brute_force_multistep(item) == truth
+        assert _run_steps(steps) == truth
+        assert Fraction(str(sympy.sympify(info["expression"]))) == truth
+        value = None
+        for step in steps:  # the calculator tool's evaluator, each step on the previous result's text
+            ok, _, text = calculate(step.format(r=value))
+            assert ok, text
+            value = text.strip()
+        assert Fraction(value) == truth
+        intermediates = [_run_steps(steps[:k]) for k in range(1, len(steps))]
+        assert truth.denominator == 1 and truth > 0 and truth not in intermediates
+
+
+def test_multistep_is_its_own_task_with_longer_episodes():
+    from agent_env.math_task.data import MULTISTEP_KINDS
+    from agent_env.tasks import get_task
+
+    train = make_split("train", 2000, seed=1, task="multistep")
+    test = make_split("test", 400, seed=2, task="multistep")
+    key = lambda i: i["prompt"][0]["content"]  # noqa: E731
+    assert not {key(i) for i in train} & {key(i) for i in test}
+    assert make_split("test", 50, seed=2, task="multistep") == test[:50]
+    assert {i["extra_info"]["kind"] for i in test} == set(MULTISTEP_KINDS)
+    lengths = {len(i["extra_info"]["steps"]) for i in test}
+    assert lengths == {3, 4}  # episodes of four and five assistant turns
+    task = get_task("multistep")
+    assert task.settings["multi_turn.max_assistant_turns"] >= 5
+    assert make_split("test", 50, seed=2, task="chain")[0] != test[0]

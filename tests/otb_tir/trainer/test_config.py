@@ -39,6 +39,58 @@ def test_bad_config_fails_with_name_and_choices(override, fragment):
     assert fragment in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("rollout.n=0", "'rollout.n' must be > 0"),
+        ("rollout.response_length=0", "'rollout.response_length' must be a positive integer"),
+        ("rollout.top_p=1.5", "'rollout.top_p' must be in (0, 1]"),
+        ("rollout.top_k=0", "'rollout.top_k' must be -1 (disabled) or >= 1"),
+        ("rollout.temperature=-1", "'rollout.temperature' must be >= 0"),
+        ("multi_turn.max_parallel_calls=0", "'multi_turn.max_parallel_calls' must be a positive integer"),
+        ("multi_turn.tool_timeout=0", "'multi_turn.tool_timeout' must be positive"),
+    ],
+)
+def test_training_and_eval_share_one_check_per_key(override, fragment):
+    """The keys training and eval share are checked once (EpisodeConfig's validator, through
+    otb_tir.builders.check_sections): the same value fails the same way in both loaders, and an
+    EpisodeConfig built directly refuses it too."""
+    from agent_env import EnvError, EpisodeConfig
+    from otb_tir.evaluation import load_eval_config
+    from otb_tir.evaluation.config import DEFAULT_CONFIG
+
+    messages = []
+    for load in (lambda o: load_config(None, o), lambda o: load_eval_config(DEFAULT_CONFIG, o)):
+        with pytest.raises(ConfigError) as e:
+            load([override])
+        messages.append(str(e.value))
+    assert all(fragment in m for m in messages), messages
+    assert messages[0] == messages[1]
+    key, value = override.split("=")
+    if key != "rollout.n":
+        with pytest.raises(EnvError, match=key.replace(".", r"\.")):
+            EpisodeConfig(**{key.split(".")[1]: yaml_value(value)})
+
+
+def yaml_value(text):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_episode_config_is_frozen():
+    import dataclasses
+
+    from agent_env import EpisodeConfig
+
+    cfg = EpisodeConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.top_p = 0.5  # type: ignore[misc]
+    assert dataclasses.replace(cfg, top_p=0.5).top_p == 0.5
+    with pytest.raises(Exception, match="top_p"):
+        dataclasses.replace(cfg, top_p=0)
+
+
 def test_missing_file_and_bad_yaml_key(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
@@ -116,3 +168,28 @@ def test_the_evals_default_pass_k_follows_rollout_n():
     assert list(load_eval_config(overrides=[]).eval.pass_k) == [1, 2, 4]
     with pytest.raises(ConfigError, match=r"every k must be in 1..rollout.n \(1\)"):
         load_eval_config(overrides=["rollout.n=1", "eval.pass_k=[1,2]"])
+
+
+def test_a_tasks_settings_are_defaults_a_user_value_wins():
+    """data.task=multistep brings its turns and token budget (agent_env.tasks.Task.settings) to
+    training and eval alike; a value the user gives wins; other tasks keep the shipped values."""
+    from otb_tir.evaluation import load_eval_config
+    from otb_tir.evaluation.config import DEFAULT_CONFIG
+
+    for load in (lambda o: load_config(None, o), lambda o: load_eval_config(DEFAULT_CONFIG, o)):
+        plain = load([])
+        cfg = load(["data.task=multistep"])
+        assert (cfg.multi_turn.max_assistant_turns, cfg.rollout.response_length) == (6, 320)
+        assert (plain.multi_turn.max_assistant_turns, plain.rollout.response_length) != (6, 320)
+        cfg = load(["data.task=multistep", "rollout.response_length=200"])
+        assert (cfg.multi_turn.max_assistant_turns, cfg.rollout.response_length) == (6, 200)
+
+
+def test_a_task_setting_that_is_not_a_config_key_is_refused(tmp_path):
+    (tmp_path / "odd_task.py").write_text(
+        "from agent_env.tasks import Task\n"
+        "task = Task(name='odd', data_source='odd', make_split=lambda s, n, seed: [],\n"
+        "            settings={'rollout.response_lenght': 10})\n"
+    )
+    with pytest.raises(ConfigError, match="its setting 'rollout.response_lenght' is not a config key"):
+        load_config(None, [f"data.task={tmp_path / 'odd_task.py'}:task"])

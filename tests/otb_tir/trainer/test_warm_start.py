@@ -183,6 +183,15 @@ def test_cache_key_same_settings_same_folder(tmp_path, monkeypatch):
     other = warm_start.warm_start_policy(tmp_path, **{**kw, "mixture": TraceMixture(tool_share={"mul": 0.5})})
     assert other != first and other.parent == tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
+    # the multistep traces' stop hazard is in the multistep key, and only there
+    from otb_tir.defaults import traces
+
+    ms = dict(kw, task="multistep", copy_steps=0)
+    multistep = warm_start.warm_start_policy(tmp_path, **ms)
+    monkeypatch.setattr(traces, "STOP_HAZARD", traces.STOP_HAZARD / 2)
+    assert warm_start.warm_start_policy(tmp_path, **ms) != multistep
+    monkeypatch.setattr(warm_start, "sft_train", lambda *a, **k: pytest.fail("retrained a cached policy"))
+    assert warm_start.warm_start_policy(tmp_path, **kw) == first  # arith: same key
 
 
 def test_default_settings_are_valid():
@@ -438,6 +447,43 @@ def test_chain_traces_chain_the_real_calculator_and_box_the_right_value():
     assert TraceMixture(stop_early=1).mode_weights("mul")["stop_early"] == 0  # arith kinds have one step
 
 
+def test_multistep_traces_stop_after_each_call_with_the_hazard():
+    """A multistep trace stops after each call with probability STOP_HAZARD (counted over draws;
+    the chain task does not draw, so its traces are as before); the generated traces chain the real
+    calculator, each call on the previous output, box the last result, and are right exactly when
+    they make every call."""
+    from otb_tir.defaults import traces
+    from otb_tir.defaults.warm_start import MULTISTEP_MIXTURE
+
+    rng = random.Random(3)
+    state = rng.getstate()
+    assert traces._calls_made(1, rng) == 1 and rng.getstate() == state
+    h, draws = traces.STOP_HAZARD, 20000
+    counts = {j: sum(traces._calls_made(4, rng) == j for _ in range(draws)) for j in (1, 2, 3, 4)}
+    expected = {1: h, 2: (1 - h) * h, 3: (1 - h) ** 2 * h, 4: (1 - h) ** 3}
+    for j, p in expected.items():  # within 4 standard errors
+        assert abs(counts[j] / draws - p) < 4 * math.sqrt(p * (1 - p) / draws), (j, counts[j] / draws, p)
+
+    n = 40
+    items = make_split("train", n, seed=0, task="multistep")
+    made = []
+    for messages, item in zip(make_traces(n, seed=0, mixture=MULTISTEP_MIXTURE, task="multistep"), items):
+        steps, truth = item["extra_info"]["steps"], item["reward_model"]["ground_truth"]
+        calls = [m["tool_calls"][0]["function"]["arguments"]["expression"] for m in messages if m.get("tool_calls")]
+        results = [m["content"] for m in messages if m["role"] == "tool"]
+        boxed = messages[-1]["content"]
+        if not calls:  # a guess: always wrong
+            assert truth not in boxed
+            continue
+        made.append(len(calls))
+        assert calls[0] == steps[0] and len(calls) <= len(steps)
+        for i in range(1, len(calls)):
+            assert calls[i] == steps[i].format(r=results[i - 1])
+        assert boxed == f"The answer is \\boxed{{{results[-1]}}}."
+        assert (Fraction(results[-1]) == Fraction(truth)) == (len(calls) == len(steps))
+    assert set(made) >= {1, 2}  # stops at different steps: episodes of different lengths
+
+
 @pytest.mark.slow
 def test_chain_warm_start_continues_from_the_arith_warm_start(tmp_path, monkeypatch):
     """``data.task=chain``'s policy: the arith warm start (the base), then SFT on chain traces only,
@@ -467,3 +513,10 @@ def test_chain_warm_start_continues_from_the_arith_warm_start(tmp_path, monkeypa
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(chain)
+    monkeypatch.setattr(warm_start, "MULTISTEP_TRACES", 10)
+    monkeypatch.setattr(warm_start, "MULTISTEP_STEPS", 2)
+    multistep = warm_start.task_warm_start("multistep", tmp_path, **kw)
+    record = json.loads((multistep / "otb_tir_warm_start.json").read_text())
+    assert record["key"]["settings"]["task"] == "multistep"
+    assert record["key"]["base"] == str(chain.resolve())  # multistep continues from chain
+    assert seen[-1] == 10
