@@ -54,6 +54,7 @@ class Arm:
     seeds: tuple[int, ...] | None = None  # None: every seed of the sweep
     optional: bool = False  # only with --with-n8
     label: str = ""
+    extra: tuple[str, ...] = ()  # more recipe overrides, e.g. GRPO without the std division
 
     def overrides(self, base_lr: float) -> list[str]:
         out = [f"algorithm.adv_estimator={self.estimator}", f"rollout.n={self.n}"]
@@ -61,7 +62,7 @@ class Arm:
             out.append("algorithm.filter.void_turns=true")
         if self.lr_scale != 1.0:
             out.append(f"actor.optim.lr={base_lr * self.lr_scale:g}")
-        return out
+        return out + list(self.extra)
 
 
 ARMS: dict[str, Arm] = {
