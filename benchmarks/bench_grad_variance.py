@@ -67,12 +67,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from bench_estimators import PAIRED, SHORT, VARIANTS, estimator_advantages, policy_gradient  # a sibling script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_tir_math.py"
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_estimators, run from any folder
-
-from bench_estimators import PAIRED, SHORT, VARIANTS, estimator_advantages, policy_gradient  # noqa: E402
 
 log = logging.getLogger("bench_grad_variance")
 

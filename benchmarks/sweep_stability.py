@@ -42,7 +42,6 @@ section gives the measured time).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import statistics
@@ -51,18 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sweep_otb_claim as _claim  # a sibling script (benchmarks/): the run mechanism, arms, settings, CIs
 
-def _sibling(name: str):
-    """A script of benchmarks/ as a module, by its file (benchmarks/ is scripts, not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclasses look the module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_claim = _sibling("sweep_otb_claim")  # the run mechanism: arms, settings, one resumable run, CIs
 Arm, Settings, run_one, mean_ci, T95 = _claim.Arm, _claim.Settings, _claim.run_one, _claim.mean_ci, _claim.T95
 TIR_OTB, GRPO, RLOO = _claim.TIR_OTB, _claim.GRPO, _claim.RLOO
 

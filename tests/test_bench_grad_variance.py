@@ -3,7 +3,6 @@ as a user runs it (a subprocess from another folder), resumable."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -17,16 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_grad_variance.py"
 
 
-def _load():
-    """The benchmark script as a module, by its file (benchmarks/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_grad_variance", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_grad_variance"] = module  # its dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+import bench_grad_variance as bench  # noqa: E402 - benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_variance_snr_and_bootstrap_against_brute_force():
@@ -71,7 +61,7 @@ def test_reward_energy_correlation_counts_only_groups_where_both_vary():
 def test_policy_gradient_vector_is_the_gradient_whose_norm_the_paired_bench_measures(tiny_model_factory):
     """bench_estimators.policy_gradient (shared with bench_estimators): its norm is policy_gradient_norm's,
     it is linear in the advantages, and the weights do not move."""
-    import bench_estimators  # on sys.path once the benchmark is loaded
+    import bench_estimators  # benchmarks/ is on pytest's pythonpath
     import torch
 
     from otb_tir.trainer.actor import ActorSettings, compute_old_stats

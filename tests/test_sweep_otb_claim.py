@@ -17,18 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "benchmarks" / "sweep_otb_claim.py"
 
 
-def _load_sweep():
-    """The benchmark script as a module, by its file (benchmarks/ is scripts, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sweep_otb_claim", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_otb_claim"] = module  # its dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep = _load_sweep()
+import sweep_otb_claim as sweep  # noqa: E402 - benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_accuracy_at_tokens_interpolates_between_evaluations_and_stops_at_the_run_end():

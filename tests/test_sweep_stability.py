@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -18,15 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "sweep_stability.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("sweep_stability", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_stability"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-stab = _load()
+import sweep_stability as stab  # noqa: E402 - benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_surges_against_a_brute_force_median():
