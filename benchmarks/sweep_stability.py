@@ -29,7 +29,8 @@ the entropy, the tool-call rate and the training-batch accuracy every step, the 
 * *collapse*: a run collapsed at the first held-out evaluation from which its accuracy stays at
   least 0.2 below its best so far to the end of the run, or from which its tool-call rate stays
   below half the warm start's; reported as the count of collapsed seeds and the mean step;
-* *gradient-norm surges*: each step's norm over the median of the 10 steps before it; the largest
+* *gradient-norm surges*: each update's norm over the median of the 10 updates before it (steps
+  without a learning signal, every group tied, left out); the largest
   ratio per run, and the number of steps above 3×;
 * held-out accuracy at the end and its best, mean entropy and grad norm over the last 20 steps.
 
@@ -60,6 +61,7 @@ TASK = "multistep"
 NO_STD = ("algorithm.norm_adv_by_std_in_grpo=false",)
 STRESS_LR_SCALE = 5.0  # lr ×10 collapsed every estimator on arith and chain in 15 steps (docs/results.md)
 SURGE = 3.0  # a step whose grad norm is more than SURGE × the median of the 10 before it
+NO_SIGNAL = 1e-3  # a grad norm below this × the run's median: every group tied, float residue, not an update
 COLLAPSE_DROP = 0.2
 
 
@@ -107,13 +109,16 @@ def _rows(d: Path) -> list[dict[str, Any]]:
 
 
 def surges(grad: list[float], window: int = 10) -> list[float]:
-    """Each step's gradient norm over the median of the ``window`` steps before it (from the
-    ``window``+1-th step on)."""
-    out = []
-    for i in range(window, len(grad)):
-        med = statistics.median(grad[i - window : i])
-        out.append(grad[i] / med if med > 0 else math.nan)
-    return out
+    """Each update's gradient norm over the median of the ``window`` updates before it (from the
+    ``window``+1-th on). Steps without a learning signal (every group's rewards tied: a norm of 0,
+    or float residue below ``NO_SIGNAL`` × the run's median norm) are left out: a window of them
+    made the ratio a division by ~0 (a stress run's 5.6e5 "surge" was 0.12 over a median of 2e-7)."""
+    finite = [x for x in grad if math.isfinite(x) and x > 0]
+    if not finite:
+        return []
+    floor = NO_SIGNAL * statistics.median(finite)
+    g = [x for x in finite if x > floor]
+    return [g[i] / statistics.median(g[i - window : i]) for i in range(window, len(g))]
 
 
 def collapse_step(curve: list[tuple[int, float]], tool_curve: list[tuple[int, float]], tool_start: float) -> int | None:
@@ -213,7 +218,8 @@ def tables(report: dict[str, Any]) -> str:
     lines = [
         f"Task `{TASK}`; mean ± 95 % CI over seeds (Student t). Collapse: held-out accuracy stays ≥ "
         f"{COLLAPSE_DROP} below its best so far to the end (or the tool-call rate below half the warm "
-        f"start's). Surge: a step's grad norm over the median of the 10 before it; steps above {SURGE:g}×.",
+        f"start's). Surge: an update's grad norm over the median of the 10 updates before it (steps "
+        f"whose groups all tied left out); updates above {SURGE:g}×.",
         "",
         "| arm | seeds | held-out before | after | best | collapsed (mean step) | max surge | steps > "
         f"{SURGE:g}× | grad norm, last 20 | entropy, last 20 | sampled tokens | wall s |",
@@ -247,7 +253,7 @@ def tables(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Held-out accuracy (top) and gradient norm (bottom, 5-step rolling mean, log scale) against
-    steps, mean over seeds with a 95 % CI band; the long runs left, the stress runs right."""
+    steps, mean over seeds with the seeds' range as a band; the long runs left, the stress runs right."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,11 +277,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             xs = np.array(runs[0]["steps"][w - 1 : n])
             axes[1][col].plot(xs, g.mean(0), color=line.get_color(), label=a["label"])
             for row, arr, x in ((0, ys, common), (1, g, xs)):
-                if len(runs) > 1:
-                    half = T95.get(len(runs) - 1, 1.96) * arr.std(0, ddof=1) / np.sqrt(len(runs))
-                    axes[row][col].fill_between(
-                        x, arr.mean(0) - half, arr.mean(0) + half, color=line.get_color(), alpha=0.15
-                    )
+                if len(runs) > 1:  # the seeds' range (a t-interval over 3 seeds leaves [0, 1] and crosses 0)
+                    axes[row][col].fill_between(x, arr.min(0), arr.max(0), color=line.get_color(), alpha=0.12)
         kind = "stress (high learning rate)" if stress else "long runs"
         axes[0][col].set_title(f"{kind}: held-out accuracy (greedy)")
         axes[1][col].set_title(f"{kind}: gradient norm (5-step rolling mean)")

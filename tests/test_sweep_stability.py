@@ -31,6 +31,10 @@ def test_surges_against_a_brute_force_median():
         assert r == pytest.approx(grad[i + 10] / ((before[4] + before[5]) / 2))
     assert max(ratios) == ratios[10] > 15
     assert stab.surges([1.0] * 5) == []  # too short to have a window
+    # steps without a gradient (every group tied) are not updates: left out, not a median of ~0
+    tied = [x for i, x in enumerate(grad) for x in ((x, 0.0 if i % 2 else 1e-7) if i % 3 else (x,))]
+    assert stab.surges(tied, window=10) == ratios
+    assert stab.surges([2e-7] * 5 + [0.05] * 11) == [1.0]  # a window of residue is not a baseline
 
 
 @pytest.mark.parametrize(
