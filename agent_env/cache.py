@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["default_cache_root", "key_digest", "artifact_dir", "is_published", "publish"]
+__all__ = ["default_cache_root", "key_digest", "artifact_dir", "is_published", "publish", "code_fingerprint"]
 
 #: What a build function returns: figures to add to the marker's record (or ``None``).
 BuildFn = Callable[[Path], "Mapping[str, Any] | None"]
@@ -48,6 +48,33 @@ def default_cache_root() -> Path:
 def key_digest(key: Mapping[str, Any]) -> str:
     """12 hex digits of the SHA-256 of ``key`` as sorted JSON (the folder names' suffix)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def code_fingerprint(modules: "list[str] | tuple[str, ...]") -> str:
+    """SHA-256 of the code of ``modules`` (dotted names, found without importing them): each one's
+    syntax tree without docstrings, comments or layout, so that a key holding it changes when the
+    code that builds an artifact changes and not when its prose or formatting does."""
+    import ast
+    import importlib.util
+
+    h = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise ValueError(f"code_fingerprint: no Python source for module {name!r}")
+        tree = ast.parse(Path(spec.origin).read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (
+                isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(name.encode() + b"\0" + ast.dump(tree, include_attributes=False).encode() + b"\0")
+    return h.hexdigest()
 
 
 def artifact_dir(root: str | os.PathLike | None, name: str, key: Mapping[str, Any]) -> Path:

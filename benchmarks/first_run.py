@@ -4,11 +4,13 @@
     python benchmarks/first_run.py --seeds 0 --quick   # a smoke run: 2 steps, tiny warm start
 
 Runs ``recipes/train_tir_math.py`` as a subprocess, from a scratch folder, with ``OTB_TIR_CACHE``
-pointing at a new empty folder: the first seed builds the tiny policy and the SFT warm start (the
-whole cost a newcomer pays once), the others reuse them. Prints per seed the wall time of the
-whole command, the held-out accuracy / tool-call rate before and after training from its
-``summary.json``, and for the first one the warm start's own build times (traces, SFT) from the
-cached folder's record; then the mean gain. Trailing ``key=value`` arguments go to the recipe.
+pointing at a new empty folder: the first seed puts the warm start in the cache (a copy of the
+shipped one, or its build with ``model.warm_start_shipped=false``: the whole cost a newcomer pays
+once), the others reuse it. Prints per seed the wall time of the whole command and the held-out
+accuracy / tool-call rate before and after training from its ``summary.json``; then the mean and
+range over seeds, where the warm start came from (its build times if built), and the machine with
+its speed reference (:func:`otb_tir.machine.speed_reference`), so that a reader can scale the
+times. Trailing ``key=value`` arguments go to the recipe.
 """
 
 from __future__ import annotations
@@ -77,17 +79,39 @@ def main() -> int:
         b, a = s["before"], s["after"]
         gains.append(a["accuracy"] - b["accuracy"])
         print(
-            f"| {seed} | {'empty (builds the policy and warm start)' if first else 'warm'} | "
+            f"| {seed} | {'empty (puts the warm start in the cache)' if first else 'warm'} | "
             f"{b['accuracy']:.2f} → **{a['accuracy']:.2f}** ({100 * gains[-1]:+.0f}) | "
             f"{b['tool_call_rate']:.2f} → {a['tool_call_rate']:.2f} | {wall:.0f} s ({wall / 60:.1f} min) |"
         )
-    print(f"\nmean gain over {len(gains)} seeds: {100 * sum(gains) / len(gains):+.1f} points")
-    if record:
+    stats = lambda xs: f"{sum(xs) / len(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"  # noqa: E731
+    before = [s["before"]["accuracy"] for _, _, _, s in rows]
+    after = [s["after"]["accuracy"] for _, _, _, s in rows]
+    print(
+        f"\nover {len(rows)} seeds, mean [min, max]: held-out accuracy {stats(before)} → {stats(after)}, "
+        f"gain {100 * sum(gains) / len(gains):+.1f} points [{100 * min(gains):+.0f}, {100 * max(gains):+.0f}]"
+    )
+    walls = [w for _, first, w, _ in rows if not first]
+    print(
+        f"wall time: first run {rows[0][2]:.0f} s"
+        + (f", cache warm {sum(walls) / len(walls):.0f} s [{min(walls):.0f}, {max(walls):.0f}]" if walls else "")
+    )
+    source = record.get("source", "built here")
+    if source == "shipped":
+        shipped = record.get("shipped", {})
+        print(f"warm start: the shipped one (built {shipped.get('date')} on {shipped.get('built_on')}), copied")
+    elif record:
         print(
-            f"warm start build (first run): traces {record.get('trace_seconds', float('nan')):.1f} s, "
+            f"warm start built here (first run): traces {record.get('trace_seconds', float('nan')):.1f} s, "
             f"SFT {record.get('train_seconds', float('nan')):.1f} s "
             f"({len(record.get('losses', []))} steps, final loss {sum(record['losses'][-10:]) / 10:.3f})"
         )
+    from otb_tir.machine import describe, speed_reference
+
+    ref = speed_reference()
+    print(
+        f"machine: {describe()}; speed reference {ref['matmul_gflops']:.0f} GFLOP/s "
+        f"(otb_tir.machine.speed_reference, {ref['threads']:.0f} threads): scale the times by the ratio to yours"
+    )
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -24,29 +23,10 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
 
 
 def machine() -> str:
-    """CPU model and count, memory and accelerator, in one line (Linux /proc where available)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        cpu = re.search(r"^model name\s*:\s*(.+)$", text, re.M).group(1).strip()  # type: ignore[union-attr]
-    except (OSError, AttributeError):
-        pass
-    mem = ""
-    try:
-        kib = int(re.search(r"^MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text(), re.M).group(1))  # type: ignore[union-attr]
-        mem = f", {kib / 2**20:.0f} GiB"
-    except (OSError, AttributeError, ValueError):
-        pass
-    gpu = "no GPU"
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            gpu = ", ".join(sorted(set(out.stdout.split("\n")) - {""}))
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return f"{os.cpu_count()} × {cpu}{mem}, {gpu}, {platform.system()} {platform.release()}"
+    """CPU model and count, memory and accelerator, in one line: :func:`otb_tir.machine.describe`."""
+    from otb_tir.machine import describe
+
+    return describe()
 
 
 def section(name: str, title: str, command: list[str], output: str, *, when: str, where: str) -> str:

@@ -67,7 +67,11 @@ def policy_path(cfg: Any) -> Path:
 
     m = cfg.model
     warm = task(cfg).warm_start
-    return Path(task_warm_start(warm, steps=m.warm_start_steps, copy_steps=m.warm_start_copy_steps))
+    return Path(
+        task_warm_start(
+            warm, steps=m.warm_start_steps, copy_steps=m.warm_start_copy_steps, shipped=m.warm_start_shipped
+        )
+    )
 
 
 def episode_config(cfg: Any, **overrides: Any) -> Any:

@@ -31,8 +31,10 @@ def test_quick_first_run_builds_the_warm_start_once_and_reports_each_seed(tmp_pa
         summary = json.loads((work / f"seed{seed}" / "summary.json").read_text())
         acc = f"{summary['before']['accuracy']:.2f} → **{summary['after']['accuracy']:.2f}**"
         assert f"| {seed} | " in out and acc in out
-    assert "empty (builds the policy and warm start)" in out and "| 1 | warm |" in out
-    assert "mean gain over 2 seeds" in out and "warm start build (first run): traces" in out
+    assert "empty (puts the warm start in the cache)" in out and "| 1 | warm |" in out
+    assert "over 2 seeds, mean [min, max]: held-out accuracy" in out
+    assert "warm start built here (first run): traces" in out  # --quick: a small one, never the shipped
+    assert "speed reference" in out and "GFLOP/s" in out
 
     # a non-empty cache is refused: the figure would not be a first run's
     again = subprocess.run(

@@ -51,6 +51,9 @@ def venv(tmp_path_factory) -> Path:
         "otb_tir/verl/configs/agent_loop.yaml",
         "otb_tir/defaults/chat_template.jinja",
         "otb_tir/fused_otb.c",
+        "otb_tir/defaults/data/warm-arith/model.safetensors",  # the shipped warm start (otb_tir.defaults.ship)
+        "otb_tir/defaults/data/warm-arith/tokenizer.json",
+        "otb_tir/defaults/data/warm-arith/shipped.json",
     ):
         assert shipped in names, f"{shipped} is not in the wheel"
     assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names)
@@ -98,6 +101,8 @@ def test_console_scripts_train_and_eval_from_a_folder_outside_the_checkout(venv,
     printed = _sh([bin_ / "python", "-m", "otb_tir.train", "--print-config", "rollout.n=3"], cwd=user).stdout
     assert "'n': 3" in printed and "adv_estimator: tir_optimal_token_baseline" in printed
     assert "pass_k:" in _sh([bin_ / "otb-tir-eval", "--print-config"], cwd=user).stdout
+    # the installed package's shipped warm start is its code's (the key fingerprints the installed sources)
+    assert "matches" in _sh([bin_ / "python", "-m", "otb_tir.defaults.ship", "--status"], cwd=user).stdout
 
     out = user / "run"
     # no bwrap on PATH (a machine without apt's bubblewrap): `pip install` alone must bring isolation

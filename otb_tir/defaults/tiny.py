@@ -325,8 +325,39 @@ def tiny_policy_dir(
     ``AutoTokenizer.from_pretrained(path)`` and ``AutoModelForCausalLM.from_pretrained(path)``
     then work offline.
     """
+    key = tiny_policy_key(
+        vocab_size=vocab_size,
+        tokenizer_seed=tokenizer_seed,
+        hidden_size=hidden_size,
+        layers=layers,
+        seed=seed,
+        **overrides,
+    )
+    final = artifact_dir(cache_dir, "tiny-qwen3", key)
+
+    def build(tmp: Path) -> None:
+        logger.info("building the tiny policy into %s", final)
+        tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=tokenizer_seed)
+        model = build_tiny_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed, **overrides)
+        tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+
+    return publish(final, _MARKER, build, key)
+
+
+def tiny_policy_key(
+    *,
+    vocab_size: int = 3072,
+    tokenizer_seed: int = 0,
+    hidden_size: int = 128,
+    layers: int = 4,
+    seed: int = 0,
+    **overrides,
+) -> dict:
+    """The cache key of :func:`tiny_policy_dir`'s folder (same arguments), computed without building:
+    ``agent_env.cache.key_digest`` of it names the folder, ``tiny-qwen3-<digest>``."""
     settings = TinyModelSettings(hidden_size=hidden_size, layers=layers, **overrides)
-    key = {
+    return {
         "build_version": BUILD_VERSION,
         "vocab_size": vocab_size,
         "tokenizer_seed": tokenizer_seed,
@@ -338,13 +369,3 @@ def tiny_policy_dir(
         ).hexdigest(),
         "tokens": [_SPLIT_PATTERN, SPECIAL_TOKENS, MARKUP_TOKENS],
     }
-    final = artifact_dir(cache_dir, "tiny-qwen3", key)
-
-    def build(tmp: Path) -> None:
-        logger.info("building the tiny policy into %s", final)
-        tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=tokenizer_seed)
-        model = build_tiny_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed, **overrides)
-        tokenizer.save_pretrained(tmp)
-        model.save_pretrained(tmp)
-
-    return publish(final, _MARKER, build, key)

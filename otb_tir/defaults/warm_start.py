@@ -128,6 +128,7 @@ def warm_start_policy(
     mixture: TraceMixture | None = None,
     base: str | os.PathLike | None = None,
     task: str = "arith",
+    shipped: bool = True,
     progress: bool = True,
 ) -> Path:
     """The tiny policy after a short SFT on generated traces: an HF folder (model + tokenizer with
@@ -141,9 +142,19 @@ def warm_start_policy(
     ``otb_tir.defaults.tiny.tiny_policy_dir(cache_dir, ...)``). A ``otb_tir_warm_start.json`` in the
     folder records the settings, the loss curve and the build times. Bad settings raise
     :class:`ConfigError` before any work.
+
+    **Shipped.** The built-in default (these defaults, the built-in base) ships with the package
+    (:mod:`otb_tir.defaults.ship`): when the cache misses and the shipped copy's key is this one,
+    its files are copied instead of training, so every machine starts RL from the same weights (a
+    build's float results differ between CPUs and library versions, so those are not in the match:
+    :func:`otb_tir.defaults.ship.portable_digest`). ``shipped=False`` (``model.warm_start_shipped=false``)
+    trains it here instead, into a folder of its own. The key holds every setting, the base (a
+    cached artifact by its folder name, which is its key's digest; another folder by its path and
+    config), the tools' schemas, the torch and transformers versions and
+    :func:`agent_env.cache.code_fingerprint` of the code that makes the traces and trains, so a
+    change to any of them misses the cache (and the shipped copy).
     """
     from agent_env.cache import artifact_dir, publish
-    from otb_tir.defaults.tiny import tiny_policy_dir
 
     given = {
         "steps": steps,
@@ -159,22 +170,19 @@ def warm_start_policy(
         seed=seed, mixture=mixture or TraceMixture(), task=task, **{k: v for k, v in given.items() if v is not None}
     )
     settings.validate()
-    base_path = Path(base) if base is not None else tiny_policy_dir(cache_dir, **settings.base_model_overrides())
-    if not (base_path / "config.json").is_file():
-        raise ConfigError(f"base policy folder {base_path} has no config.json (not an HF model folder)")
-    schemas = tool_schemas()
-    key = {
-        "version": WARM_VERSION,
-        "settings": asdict(settings),
-        "base": str(base_path.resolve()),
-        "base_config": (base_path / "config.json").read_text(),
-        "tools": schemas,
-        # the trace rule only the multistep traces use: in their key, so a change rebuilds them
-        **({"stop_hazard": traces.STOP_HAZARD} if settings.task == "multistep" else {}),
-    }
+    key = warm_start_key(settings, base)
+    if not shipped:
+        key["source"] = "built here"  # not the shipped copy's folder
     final = artifact_dir(cache_dir, "warm", key)
+    schemas = key["tools"]
 
     def build(tmp: Path) -> dict[str, Any]:
+        from otb_tir.defaults import ship
+
+        if shipped and ship.shipped_digest() == ship.portable_digest(key):
+            logger.info("warm start: copying the shipped one into %s", final)
+            return ship.copy_shipped(tmp)
+        base_path = _base_path(base, cache_dir, settings)
         model, tokenizer, record = _train(settings, base_path, schemas, progress)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -186,9 +194,66 @@ def warm_start_policy(
             record["train_seconds"],
             sum(losses[-10:]) / len(losses[-10:]),
         )
-        return record
+        return record | {"source": "built here"}
 
     return publish(final, _MARKER, build, {"key": key | {"base_config": None}})
+
+
+#: The modules whose code makes the traces and trains the warm start (and the tiny base): their
+#: :func:`agent_env.cache.code_fingerprint` is in the key.
+BUILD_MODULES = (
+    "otb_tir.defaults.traces",
+    "otb_tir.defaults.warm_start",
+    "otb_tir.defaults.tiny",
+    "otb_tir.trainer.sft",
+    "agent_env.math_task.data",
+    "tools.calculator",
+)
+
+
+def warm_start_key(settings: WarmStartSettings, base: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The cache key of :func:`warm_start_policy`'s folder, computed without building anything.
+
+    The base is named portably: the built-in tiny model and any cached artifact by their folder
+    name (``<kind>-<digest of their own key>``), so the key is the same on every machine and for
+    every cache root; another folder by its absolute path and its ``config.json``."""
+    import torch
+    import transformers
+
+    from agent_env.cache import code_fingerprint, key_digest
+    from otb_tir.defaults.tiny import tiny_policy_key
+
+    if base is None:
+        base_id, base_config = f"tiny-qwen3-{key_digest(tiny_policy_key(**settings.base_model_overrides()))}", None
+    else:
+        base_path = Path(base)
+        if not (base_path / "config.json").is_file():
+            raise ConfigError(f"base policy folder {base_path} has no config.json (not an HF model folder)")
+        if (base_path / _MARKER).is_file() or (base_path / "otb_tir_tiny.json").is_file():
+            base_id, base_config = base_path.name, None  # a cached artifact: its name is its key's digest
+        else:
+            base_id, base_config = str(base_path.resolve()), (base_path / "config.json").read_text()
+    return {
+        "version": WARM_VERSION,
+        "settings": asdict(settings),
+        "base": base_id,
+        "base_config": base_config,
+        "tools": tool_schemas(),
+        "code": code_fingerprint(BUILD_MODULES),
+        "libraries": {"torch": torch.__version__, "transformers": transformers.__version__},
+        # the trace rule only the multistep traces use: in their key, so a change rebuilds them
+        **({"stop_hazard": traces.STOP_HAZARD} if settings.task == "multistep" else {}),
+    }
+
+
+def _base_path(
+    base: str | os.PathLike | None, cache_dir: str | os.PathLike | None, settings: WarmStartSettings
+) -> Path:
+    if base is not None:
+        return Path(base)
+    from otb_tir.defaults.tiny import tiny_policy_dir
+
+    return tiny_policy_dir(cache_dir, **settings.base_model_overrides())
 
 
 def _train(
@@ -274,13 +339,15 @@ def task_warm_start(
     copy_steps: int | None = None,
     n_traces: int | None = None,
     chain_steps: int = CHAIN_STEPS,
+    shipped: bool = True,
     progress: bool = True,
 ) -> Path:
     """The built-in policy warm-started for ``task`` (``data.task``): the arith warm start
     (:func:`warm_start_policy` with ``steps`` / ``copy_steps`` / ``n_traces``); for ``chain`` that
     policy after ``chain_steps`` more SFT steps on chain-task traces (:data:`CHAIN_MIXTURE`), for
     ``multistep`` the chain policy after :data:`MULTISTEP_STEPS` on multistep traces
-    (:data:`MULTISTEP_MIXTURE`); each stage cached likewise."""
+    (:data:`MULTISTEP_MIXTURE`); each stage cached likewise. ``shipped``: the arith stage may be the
+    package's copy (:mod:`otb_tir.defaults.ship`); the later stages are always built here."""
     if task == "arith":
         warmup = None if steps is None else min(WarmStartSettings.warmup_steps, steps - 1)  # short test builds
         return warm_start_policy(
@@ -290,6 +357,7 @@ def task_warm_start(
             n_traces=n_traces,
             warmup_steps=warmup,
             seed=0,
+            shipped=shipped,
             progress=progress,
         )
     stages = _stages()
@@ -303,6 +371,7 @@ def task_warm_start(
         copy_steps=copy_steps,
         n_traces=n_traces,
         chain_steps=chain_steps,
+        shipped=shipped,
         progress=progress,
     )
     sft_steps = chain_steps if task == "chain" else stage.steps

@@ -26,6 +26,9 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (training params stay float32; bf16 = autocast)
     warm_start_steps: int = 400  # SFT steps of the built-in tiny policy on all traces (cached per settings)
     warm_start_copy_steps: int = 800  # first SFT phase, on the tool-call traces only (learns to copy)
+    warm_start_shipped: bool = (
+        True  # default warm start copied from the package (same on every machine); false: trained here
+    )
 
 
 @dataclass

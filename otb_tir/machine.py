@@ -1,0 +1,60 @@
+"""What a measured figure was measured on: :func:`describe` (CPU model and count, memory,
+accelerator, OS) and :func:`speed_reference` (a fixed torch workload's throughput), so that a reader
+on another machine can scale a time by the ratio of the two references."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["describe", "speed_reference"]
+
+
+def describe() -> str:
+    """CPU model and count, memory and accelerator, in one line (Linux /proc where available)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        cpu = re.search(r"^model name\s*:\s*(.+)$", text, re.M).group(1).strip()  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        pass
+    mem = ""
+    try:
+        kib = int(re.search(r"^MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text(), re.M).group(1))  # type: ignore[union-attr]
+        mem = f", {kib / 2**20:.0f} GiB"
+    except (OSError, AttributeError, ValueError):
+        pass
+    gpu = "no GPU"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            gpu = ", ".join(sorted(set(out.stdout.split("\n")) - {""}))
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return f"{os.cpu_count()} × {cpu}{mem}, {gpu}, {platform.system()} {platform.release()}"
+
+
+def speed_reference(reps: int = 5) -> dict[str, float]:
+    """The tiny policy's kind of work at torch's default thread count: fp32 matmuls of
+    [64 × 128] @ [128 × 384] and back (an MLP block of the built-in model, a batch of 64 tokens),
+    as GFLOP/s, the median of ``reps`` timings of 400 pairs each."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(*s, generator=g) for s in ((64, 128), (128, 384), (384, 128)))
+    flop = 400 * 2 * (2 * 64 * 128 * 384)
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(400):
+            y = torch.tanh(y @ w1) @ w2
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return {"matmul_gflops": flop / times[len(times) // 2] / 1e9, "threads": float(torch.get_num_threads())}
