@@ -113,8 +113,9 @@ def test_floor_pool_spreads_concurrent_calls_and_round_accumulates():
             acc = bench.Acc()
             await bench.floor_round(pool, bench.TRIVIAL, 5, 6, 3, acc)
             assert len(acc.lat) == 5 and all(x > 0 for x in acc.lat)
-            assert acc.calls == acc.cpu_calls == 6 and acc.wall > 0 and acc.cpu > 0
-            assert pool.cpu_s() > 0
+            # CPU is read from /proc in clock ticks (10 ms): six ~1 ms calls may round to 0
+            assert acc.calls == acc.cpu_calls == 6 and acc.wall > 0 and acc.cpu >= 0
+            assert pool.cpu_s() > 0  # the servers' preload alone takes many ticks
         finally:
             await pool.close()
 
