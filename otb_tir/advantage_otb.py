@@ -27,7 +27,7 @@ from otb_tir import fused
 from otb_tir.advantage_inputs import group_ids, log_ignored, prepare_inputs
 from otb_tir.layout import policy_counts_into
 
-__all__ = ["optimal_token_baseline", "tir_optimal_token_baseline"]
+__all__ = ["optimal_token_baseline", "path_weights", "tir_optimal_token_baseline"]
 
 
 def _returns_and_weights(
@@ -62,6 +62,20 @@ def _returns_and_weights(
         scratch.cumsum_(-1)
         torch.index_select(scratch, 1, reverse, out=returns)
     return returns, weights, scratch
+
+
+def path_weights(
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``W_t·mask_t`` ([B, R], float32): the cumulative path-variance proxy both OTB estimators weight
+    a group's returns by (the same values: tool tokens add nothing to a row's running sum)."""
+    maskf = response_mask.to(torch.float32)
+    zeros = torch.zeros_like(maskf)
+    _, weights, _ = _returns_and_weights(zeros, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, torch.float32)
+    return weights
 
 
 def _contiguous_group_size(group: torch.Tensor, n_groups: int, members: torch.Tensor) -> int:

@@ -49,6 +49,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from otb_tir import ConfigError
 from otb_tir.builders import policy_path
 from otb_tir.verl import require_verl
+from otb_tir.verl.hooks import OTB_ESTIMATORS  # the one spelling (hooks: imported in verl's workers too)
 from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
 from otb_tir.verl.reward_fn import REWARD_ENV
 from tools import DEFAULT_TOOLS
@@ -69,7 +70,6 @@ __all__ = [
     "with_v1_modes",
 ]
 
-OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 #: our built-in estimators verl has under the same name (its OTB two are swapped for ours by the plugin)
 VERL_BUILTIN_ESTIMATORS = (*OTB_ESTIMATORS, "grpo", "rloo")
 ASYNC_MODES = ("colocate_async", "separate_async")

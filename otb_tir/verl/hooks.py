@@ -8,7 +8,8 @@
   ``{"phase", "since", "step", "pid"}`` when it begins and ends (:class:`Progress`).
 * **The batch contract**, checked on every batch verl builds (``compute_advantage``): tool tokens
   (inside the response, ``response_mask`` 0) get advantage 0; the reward sits on the row's last
-  policy token; policy tokens carry non-zero advantages in groups whose rewards differ; and, for
+  policy token; policy tokens carry non-zero advantages in groups whose rewards differ (for OTB,
+  exactly where the baseline cannot equal the row's return: :func:`contested_tokens`); and, for
   the OTB estimators, verl's own implementation gives the same advantages on the same batch. The
   figures are logged per step under ``contract/``; a broken invariant stops the run
   (:class:`ContractError`).
@@ -34,7 +35,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ContractError", "Progress", "check_contract", "install", "translate_metrics"]
+__all__ = ["ContractError", "Progress", "check_contract", "contested_tokens", "install", "translate_metrics"]
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 CONTRACT_TOL = 1e-5  # fp32: ours vs verl's estimator differ by rounding only (measured ~1e-7)
@@ -90,6 +91,49 @@ def _response_attention(batch: Any) -> torch.Tensor:
     return batch["attention_mask"][:, -T:]
 
 
+#: a row carries weight at an index when its W is at least this share of the group's sum there
+CARRYING_SHARE = 1e-3
+
+
+def contested_tokens(
+    mask: torch.Tensor,
+    group: torch.Tensor,
+    rewards: torch.Tensor,
+    weights: torch.Tensor,
+    by_policy_rank: bool,
+) -> torch.Tensor:
+    """Policy tokens (bool ``[B, R]``) at which an OTB advantage cannot be zero.
+
+    At one index of a group (the k-th policy token for the TIR estimator, the column for the dense
+    one), OTB's baseline is the W-weighted mean of the returns of the group's rows present there.
+    When two rows that carry weight there (W at least :data:`CARRYING_SHARE` of the index's sum)
+    have different rewards, that mean lies strictly between their rewards, away from each by more
+    than fp32 rounding, so every row present there gets a non-zero advantage (rewards that fall on
+    the mean by coincidence aside). Elsewhere a zero is legitimate: one row left (a length-capped
+    tail, ``handle_zero_tail``), rows that agree, or rows whose W vanished (probabilities at 1).
+    The reward sits on the last policy token, so a row's return is its reward at every token."""
+    m = mask.bool()
+    B, T = m.shape
+    if by_policy_rank:
+        idx = (m.long().cumsum(-1) - 1).clamp_min(0)
+    else:
+        idx = torch.arange(T, device=m.device).expand(B, T)
+    n_groups = int(group.max()) + 1 if B else 0
+    key = (group[:, None] * T + idx)[m]
+    w = weights.float()[m]
+    r = rewards.float()[:, None].expand(B, T)[m]
+    n = n_groups * T
+    total = torch.zeros(n, dtype=torch.float32, device=m.device).index_add_(0, key, w)
+    carrying = w >= CARRYING_SHARE * total[key]
+    carrying &= w > 0
+    k, rc = key[carrying], r[carrying]
+    rmin = torch.full((n,), math.inf, device=m.device).scatter_reduce(0, k, rc, "amin")
+    rmax = torch.full((n,), -math.inf, device=m.device).scatter_reduce(0, k, rc, "amax")
+    out = torch.zeros_like(m)
+    out[m] = (rmax > rmin)[key]
+    return out
+
+
 def check_contract(
     data: Any,
     adv_estimator: str,
@@ -133,6 +177,18 @@ def check_contract(
         out["contract/informative_policy_adv_nonzero_frac"] = (
             float((adv[rows] != 0).float().mean()) if rows.any() else math.nan
         )
+        if adv_estimator in OTB_ESTIMATORS and "sum_pi_squared" in b.keys():
+            from otb_tir.advantage_otb import path_weights
+
+            W = path_weights(
+                b["response_mask"], b["old_log_probs"], b["sum_pi_squared"], b.get("rollout_is_weights", None)
+            )
+            by_rank = adv_estimator == "tir_optimal_token_baseline"
+            contested = contested_tokens(mask, inv_t, rewards, W, by_policy_rank=by_rank)
+            out["contract/contested_tokens"] = float(contested.sum())
+            out["contract/contested_adv_nonzero_frac"] = (
+                float((adv[contested] != 0).float().mean()) if contested.any() else math.nan
+            )
     if verl_estimator is not None and adv_estimator in OTB_ESTIMATORS:
         out["contract/is_weights_in_estimator"] = float(b.get("rollout_is_weights", None) is not None)
         theirs, _ = verl_estimator(

@@ -26,9 +26,10 @@ What the mixin adds to verl's step (everything else is verl's code):
   (tool tokens masked with advantage 0, the reward on the last policy token, our estimator equal to
   verl's given the same IS weights, ``contract/adv_max_abs_diff_vs_verl``), the IS weights' mean,
   max and truncated fraction, how much they changed the advantages, a staleness histogram (samples
-  per model-version lag), the variance-proxy metrics (verl's ``compute_variance_proxy_metrics``,
-  which its V1 trainer never gets to compute because it does not fetch Σπ²), and how long the
-  trainer waited for rollouts and the rollouts for the trainer.
+  per model-version lag), the rollout engine's probabilities against the actor's per lag (at lag 0
+  they differ by numerics only when the weight sync took effect), the variance-proxy metrics
+  (verl's ``compute_variance_proxy_metrics``, which its V1 trainer never gets to compute because it
+  does not fetch Σπ²), and how long the trainer waited for rollouts and the rollouts for the trainer.
 * **For the recipe** (``OTB_TIR_OUTPUT_DIR`` set by :func:`otb_tir.verl.launch.run_verl`):
   ``progress.json`` for the watchdog and the local trainer's metric files, as
   :mod:`otb_tir.verl.hooks` does for the legacy trainer.
@@ -62,6 +63,7 @@ __all__ = [
     "check_bypass",
     "is_weight_stats",
     "register",
+    "prob_diff_by_lag",
     "staleness_metrics",
     "trainer_class",
 ]
@@ -118,6 +120,40 @@ def staleness_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
             "staleness/samples": float(len(rows)),
         }
     )
+    return out
+
+
+def prob_diff_by_lag(
+    tags: list[dict],
+    global_steps: int,
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, float]:
+    """``sync/prob_diff_mean_lag_<k>``: mean |π_rollout − π_actor| over the policy tokens of the rows
+    whose *oldest* weights were ``k`` versions behind the policy being updated (``min_global_steps``:
+    a row generated across a weight sync counts at the older version), and ``sync/tokens_lag_<k>``.
+
+    At lag 0 the whole row came from the weights the actor holds, so the figure is the two engines'
+    numerical difference (≈ 1e-3 in fp32 on CPU) when the weight sync took effect and the size of
+    the last updates when it did not; at lag > 0 it mixes the sync with the updates in between
+    (a CI run had rows begun before a sync and finished after it: 0.25 by their newest version).
+    verl's ``training/rollout_actor_probs_pearson_corr`` pools every lag (stale rows are off-policy
+    by design in the async modes) and is undefined once the probabilities saturate at 1."""
+    keep = [i for i, t in enumerate(tags) if not t.get("is_padding", False)]
+    if not keep:
+        return {}
+    rows = torch.as_tensor(keep)
+    lag = torch.as_tensor([(global_steps - 1) - int(tags[i]["min_global_steps"]) for i in keep])
+    m = mask[rows].bool()
+    diff = (torch.exp(rollout_log_probs[rows].float()) - torch.exp(old_log_probs[rows].float())).abs()
+    out: dict[str, float] = {}
+    for k in sorted(set(lag.tolist())):
+        tok = m & (lag == k)[:, None]
+        n = int(tok.sum())
+        out[f"sync/tokens_lag_{k}"] = float(n)
+        if n:
+            out[f"sync/prob_diff_mean_lag_{k}"] = float(diff[tok].mean())
     return out
 
 
@@ -181,6 +217,7 @@ class OTBTrainerMixin:
         with contextlib.suppress(ImportError):  # registers otb_tir_agent in this process (the recipe's loop)
             from otb_tir.verl import agent_loop  # noqa: F401
         self._otb_spi2 = wants_sum_pi_squared(config)
+        self._otb_rollout_log_probs = bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False))
         self._otb_adv_metrics: dict[str, float] = {}
         self._otb_clock: dict[str, float] = {}
         self._otb_in_loop = False
@@ -372,15 +409,16 @@ class OTBTrainerMixin:
         for key in ("trainer_idle", "rollout_idle", "weight_sync"):
             if key in c:
                 metrics[f"timing/{key}_s"] = float(c[key])
-        metrics.update(self._otb_batch_metrics(batch, metrics.get("actor/grad_norm")))
+        metrics.update(self._otb_batch_metrics(batch, metrics.get("actor/grad_norm"), int(global_steps)))
         if self._otb_run:
             from otb_tir.verl.hooks import translate_metrics
 
             self._otb_run.sink.log(translate_metrics(metrics), step=int(global_steps))
         return out
 
-    def _otb_batch_metrics(self, batch: Any, grad_norm: Any) -> dict[str, float]:
-        """Variance proxies (verl's function, given Σπ²), rewards, tool use and advantages."""
+    def _otb_batch_metrics(self, batch: Any, grad_norm: Any, global_steps: int) -> dict[str, float]:
+        """Variance proxies (verl's function, given Σπ²), rewards, tool use, advantages and the
+        rollout engine's probabilities against the actor's per staleness lag."""
         import transfer_queue as tq
         from verl.protocol import DataProto
         from verl.trainer.ppo.metric_utils import compute_variance_proxy_metrics
@@ -391,11 +429,19 @@ class OTBTrainerMixin:
         fields = ["response_mask", "advantages", "old_log_probs", "rm_scores", "extra_fields"]
         if self._otb_spi2:
             fields.append(SPI2_FIELD)
+        if self._otb_rollout_log_probs:
+            fields.append("rollout_log_probs")
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         lengths = data["response_mask"].offsets().diff()
         extra_fields = data.pop("extra_fields").tolist() if "extra_fields" in data.keys() else None
         padded = data.to_padded_tensor()
         tensors = {k: (padded[k].float() if padded[k].is_floating_point() else padded[k]) for k in padded.keys()}
+        sync: dict[str, float] = {}
+        if "rollout_log_probs" in tensors:  # per staleness lag: did the rollout engine serve the actor's weights?
+            rollout_lp = tensors.pop("rollout_log_probs")
+            sync = prob_diff_by_lag(
+                list(batch.tags), global_steps, tensors["old_log_probs"], rollout_lp, tensors["response_mask"]
+            )
         if SPI2_FIELD in tensors:
             tensors["sum_pi_squared"] = tensors.pop(SPI2_FIELD)
         tensors["token_level_scores"] = tensors.pop("rm_scores")
@@ -412,6 +458,7 @@ class OTBTrainerMixin:
             dp = dp.select_idxs(keep)
         out = batch_metrics(dp)
         out.update(compute_variance_proxy_metrics(batch=dp, gradient_norm=grad_norm))
+        out.update(sync)
         return out
 
 

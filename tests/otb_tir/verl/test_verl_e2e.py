@@ -176,7 +176,12 @@ def _assert_contract_and_sum_pi_squared(steps: dict[int, dict], tools_every_step
         # (its vectorised column tail), one ulp at most (docs/verl.md)
         assert r["contract/adv_max_abs_diff_vs_verl"] <= 1e-6
         if r["contract/informative_groups"]:
-            assert r["contract/informative_policy_adv_nonzero_frac"] > 0.5
+            assert r["contract/informative_policy_adv_nonzero_frac"] > 0.0
+        # where rows with different rewards carry weight at one index, no TIR-OTB advantage is zero
+        # (elsewhere zeros are legitimate: a length-capped row alone past its group's lengths, which
+        # at lr=0.1 in colocate_async once made half an informative group's tokens zero)
+        if r.get("contract/contested_tokens"):
+            assert r["contract/contested_adv_nonzero_frac"] == 1.0, step
         proxies = {k: v for k, v in r.items() if k.startswith("variance_proxy/")}
         assert proxies and all(math.isfinite(v) for v in proxies.values()), (step, proxies)
 
@@ -259,23 +264,30 @@ def test_the_async_mode_trains_on_stale_samples_with_is_weights(mode_runs):
 
 
 def test_weight_sync_takes_effect(mode_runs):
-    """At a high learning rate the rollout engine must serve the updated policy: verl's
-    rollout/actor probability correlation at the last step stays high with the sync, and drops far
-    below it when the vLLM worker skips loading the post-update weights."""
+    """At a high learning rate the rollout engine must serve the updated policy. The rows generated
+    wholly with the weights the actor holds (oldest weights at lag 0) after step 1 are compared: with the sync the
+    rollout engine's probabilities differ from the actor's by numerics only; when the vLLM worker
+    skips loading the post-update weights they differ by what the updates moved. (verl's pooled
+    rollout/actor correlation mixes in the stale rows, off-policy by design in the async modes, and
+    is NaN once the probabilities saturate at 1: a CI run at lr=0.1 did both.)"""
     mode, outs = mode_runs
     if "skipped" not in outs:
         pytest.skip("legacy: one run (its weight sync is the V1 modes' own; the control runs there)")
-    corr = {}
+    diff = {}
     for name, out in outs.items():
         steps = _steps(out)
         assert steps[1]["actor/grad_norm"] > 0, f"{name}: step 1 did not update the actor, nothing to sync"
-        corr[name] = steps[max(steps)]["training/rollout_actor_probs_pearson_corr"]
-    # How far the skipped run falls depends on how much the steps moved the policy (which groups had
-    # unequal rewards: 0.2 in the verl-on-CPU notes, 0.92 in one CI run), so compare the two
-    # runs: without the sync the rollout engine's probabilities must be far less correlated with
-    # the actor's (1 - r at least 10x larger) than with it.
-    assert corr["synced"] >= 0.9, corr
-    assert 1 - corr["skipped"] >= 10 * max(1 - corr["synced"], 1e-3), corr
+        fresh = [
+            (r["sync/tokens_lag_0"], r["sync/prob_diff_mean_lag_0"])
+            for s, r in steps.items()
+            if s >= 2 and r.get("sync/tokens_lag_0")
+        ]
+        assert fresh, f"{name}: no rows generated with the current weights after step 1"
+        diff[name] = sum(n * d for n, d in fresh) / sum(n for n, _ in fresh)
+        # step 1: nothing to sync yet, both engines hold the same weights
+        assert steps[1]["sync/prob_diff_mean_lag_0"] < 0.02, (name, steps[1]["sync/prob_diff_mean_lag_0"])
+    assert diff["synced"] < 0.02, diff
+    assert diff["skipped"] >= 10 * max(diff["synced"], 1e-3), diff
 
 
 def test_a_failed_weight_sync_stops_the_run_with_its_traceback(verl_python, tmp_path):

@@ -71,6 +71,43 @@ def test_verls_batch_with_our_tir_otb_keeps_the_contract_and_matches_verls_estim
     assert figures["contract/adv_max_abs_diff_vs_verl"] <= 1e-6
     if figures["contract/informative_groups"]:
         assert figures["contract/informative_policy_adv_nonzero_frac"] > 0.0
+    # where the OTB baseline must differ from a row's return, every advantage is non-zero
+    if figures["contract/contested_tokens"]:
+        assert figures["contract/contested_adv_nonzero_frac"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["tir_optimal_token_baseline", "optimal_token_baseline"])
+def test_a_length_capped_loser_has_zero_advantages_where_it_is_alone_and_none_where_contested(name):
+    """The async CI flake: a wrong, length-capped row much longer than its group's right rows. Past
+    their length it is alone (``handle_zero_tail``: baseline 0, its return 0), so most of the
+    informative group's policy tokens legitimately get advantage 0; at every index where rows with
+    different rewards carry weight, none does. A row whose probabilities sit at 1 (W = 0) carries none."""
+    data = _batch(3, groups=1, n=4, T=24)
+    b = data.batch
+    P = b["attention_mask"].shape[1] - 24
+    b["response_mask"].zero_()
+    b["token_level_rewards"].zero_()
+    b["attention_mask"][:, P:] = 0
+    for i, length in enumerate([3, 3, 3, 20]):
+        b["response_mask"][i, :length] = 1
+        b["attention_mask"][i, P : P + length] = 1
+        b["token_level_rewards"][i, length - 1] = 1.0 if length == 3 else 0.0
+    b["old_log_probs"] *= b["response_mask"]
+    b["sum_pi_squared"] = b["sum_pi_squared"].clamp_min(0.05) * b["response_mask"]
+    b["token_level_scores"] = b["token_level_rewards"].clone()
+    done, verl_fn = _advantage(data, name)
+    figures = check_contract(done, name, verl_fn)
+    assert figures["contract/informative_policy_adv_nonzero_frac"] < 0.5  # 17 of 29 tokens alone, A = 0
+    assert figures["contract/contested_tokens"] == 3 * 4  # the first three indices, four rows each
+    assert figures["contract/contested_adv_nonzero_frac"] == 1.0
+    # the right rows saturated (π = 1, Σπ² = 1: W = 0): no row with a different reward carries weight
+    sat = done[:]
+    sat.batch["old_log_probs"] = sat.batch["old_log_probs"].clone()
+    sat.batch["sum_pi_squared"] = sat.batch["sum_pi_squared"].clone()
+    sat.batch["old_log_probs"][:3] = 0.0
+    sat.batch["sum_pi_squared"][:3] = b["response_mask"][:3]
+    sat, _ = _advantage(sat, name)
+    assert check_contract(sat, name, verl_fn)["contract/contested_tokens"] == 0
 
 
 def test_a_broken_batch_stops_the_run_naming_what_broke():

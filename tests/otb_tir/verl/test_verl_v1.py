@@ -6,6 +6,7 @@ staleness and IS figures; the glue table. The real runs are in ``test_verl_e2e.p
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -277,6 +278,31 @@ def test_staleness_histogram_counts_samples_per_lag():
     assert m["staleness/max"] == 2.0 and m["staleness/mean"] == pytest.approx(1.0)
     assert m["staleness/worst_max"] == 2.0 and m["staleness/stale_frac"] == 0.75 and m["staleness/samples"] == 4
     assert v1.staleness_metrics([], 3) == {}
+
+
+def test_rollout_actor_probability_difference_per_lag_by_brute_force():
+    tags = [
+        {"min_global_steps": 4, "max_global_steps": 4},  # lag 0 at step 5: all of it from the actor's weights
+        {"min_global_steps": 3, "max_global_steps": 4},  # begun before a sync, finished after: lag 1
+        {"min_global_steps": 4, "max_global_steps": 4},  # lag 0
+        {"min_global_steps": 0, "max_global_steps": 0, "is_padding": True},  # ignored
+    ]
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 5, generator=g)
+    rollout = -torch.rand(4, 5, generator=g)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    m = v1.prob_diff_by_lag(tags, 5, old, rollout, mask)
+    for lag, rows in ((0, (0, 2)), (1, (1,))):
+        diffs = [abs(math.exp(rollout[i, t]) - math.exp(old[i, t])) for i in rows for t in range(5) if mask[i, t]]
+        assert m[f"sync/tokens_lag_{lag}"] == len(diffs)
+        assert m[f"sync/prob_diff_mean_lag_{lag}"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-6)
+    assert set(m) == {
+        "sync/tokens_lag_0",
+        "sync/tokens_lag_1",
+        "sync/prob_diff_mean_lag_0",
+        "sync/prob_diff_mean_lag_1",
+    }
+    assert v1.prob_diff_by_lag([{"min_global_steps": 0, "is_padding": True}], 1, old[:1], rollout[:1], mask[:1]) == {}
 
 
 def test_is_weight_stats_without_weights_says_not_applied():
