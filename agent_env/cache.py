@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -54,7 +55,6 @@ def code_fingerprint(modules: "list[str] | tuple[str, ...]") -> str:
     """SHA-256 of the code of ``modules`` (dotted names, found without importing them): each one's
     syntax tree without docstrings, comments or layout, so that a key holding it changes when the
     code that builds an artifact changes and not when its prose or formatting does."""
-    import ast
     import importlib.util
 
     h = hashlib.sha256()
@@ -62,7 +62,26 @@ def code_fingerprint(modules: "list[str] | tuple[str, ...]") -> str:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):
             raise ValueError(f"code_fingerprint: no Python source for module {name!r}")
-        tree = ast.parse(Path(spec.origin).read_text())
+        h.update(name.encode() + b"\0" + _source_digest(spec.origin).encode() + b"\0")
+    return h.hexdigest()
+
+
+_FINGERPRINT_LOCK = threading.Lock()
+_FINGERPRINTS: dict[str, str] = {}  # source text's SHA-256 → its syntax tree's
+
+
+def _source_digest(path: str) -> str:
+    """SHA-256 of one source file's syntax tree without docstrings, cached per file content.
+    Under a lock: CPython 3.11's ``ast.parse`` is not thread-safe (two threads parsing at once
+    raised ``SystemError: AST constructor recursion depth mismatch`` in CI)."""
+    import ast
+
+    text = Path(path).read_text()
+    key = hashlib.sha256(text.encode()).hexdigest()
+    with _FINGERPRINT_LOCK:
+        if key in _FINGERPRINTS:
+            return _FINGERPRINTS[key]
+        tree = ast.parse(text)
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
             if (
@@ -73,8 +92,9 @@ def code_fingerprint(modules: "list[str] | tuple[str, ...]") -> str:
                 and isinstance(body[0].value.value, str)
             ):
                 node.body = body[1:] or [ast.Pass()]
-        h.update(name.encode() + b"\0" + ast.dump(tree, include_attributes=False).encode() + b"\0")
-    return h.hexdigest()
+        digest = hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()
+        _FINGERPRINTS[key] = digest
+        return digest
 
 
 def artifact_dir(root: str | os.PathLike | None, name: str, key: Mapping[str, Any]) -> Path:

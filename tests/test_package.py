@@ -102,7 +102,7 @@ def test_console_scripts_train_and_eval_from_a_folder_outside_the_checkout(venv,
     assert "'n': 3" in printed and "adv_estimator: tir_optimal_token_baseline" in printed
     assert "pass_k:" in _sh([bin_ / "otb-tir-eval", "--print-config"], cwd=user).stdout
     # the installed package's shipped warm start is its code's (the key fingerprints the installed sources)
-    assert "matches" in _sh([bin_ / "python", "-m", "otb_tir.defaults.ship", "--status"], cwd=user).stdout
+    assert "matches" in _sh([bin_ / "python", "-m", "otb_tir.defaults.reship", "--status"], cwd=user).stdout
 
     out = user / "run"
     # no bwrap on PATH (a machine without apt's bubblewrap): `pip install` alone must bring isolation

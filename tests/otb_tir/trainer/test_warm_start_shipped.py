@@ -11,18 +11,18 @@ import textwrap
 import pytest
 
 from agent_env.cache import code_fingerprint
-from otb_tir.defaults import ship, warm_start
+from otb_tir.defaults import reship, ship, warm_start
 
 
 def test_the_shipped_warm_start_is_the_current_codes_and_loads():
     record = ship.shipped_record()
-    assert record is not None, "nothing shipped: run python -m otb_tir.defaults.ship"
-    assert ship.shipped_digest() == ship.portable_digest(ship.default_key()), (
+    assert record is not None, "nothing shipped: run python -m otb_tir.defaults.reship"
+    assert ship.shipped_digest() == ship.portable_digest(reship.default_key()), (
         "the shipped warm start is stale: the code or settings that build it changed (key digest now "
-        + ship.portable_digest(ship.default_key())
-        + "); run python -m otb_tir.defaults.ship"
+        + ship.portable_digest(reship.default_key())
+        + "); run python -m otb_tir.defaults.reship"
     )
-    now = json.loads(json.dumps(ship.default_key()))
+    now = json.loads(json.dumps(reship.default_key()))
     assert {k: v for k, v in record["key"].items() if k != "libraries"} == {
         k: v for k, v in now.items() if k != "libraries"
     }
@@ -44,7 +44,7 @@ def test_a_cache_miss_copies_the_shipped_files_without_training(tmp_path, monkey
     for name in ship.FILES:
         assert (path / name).read_bytes() == (ship.SHIPPED / name).read_bytes(), name
     marker = json.loads((path / "otb_tir_warm_start.json").read_text())
-    assert marker["source"] == "shipped" and marker["shipped"]["digest"] == ship.portable_digest(ship.default_key())
+    assert marker["source"] == "shipped" and marker["shipped"]["digest"] == ship.portable_digest(reship.default_key())
 
     # opting out trains here, into a folder of its own (the stub stops it before any work)
     monkeypatch.setattr(warm_start, "_train", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("training")))
@@ -105,3 +105,15 @@ def test_the_key_names_cached_bases_portably(tmp_path):
     (user / "config.json").write_text("{}")
     key = warm_start.warm_start_key(settings, user)
     assert key["base"] == str(user.resolve()) and key["base_config"] == "{}"
+
+
+def test_the_fingerprint_is_thread_safe():
+    """CPython 3.11's ast.parse is not: two threads fingerprinting at once raised SystemError in CI."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agent_env import cache
+
+    cache._FINGERPRINTS.clear()
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(lambda _: code_fingerprint(warm_start.BUILD_MODULES), range(16)))
+    assert len(set(out)) == 1 and out[0] == warm_start.warm_start_key(warm_start.WarmStartSettings())["code"]
