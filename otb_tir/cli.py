@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from dataclasses import fields, is_dataclass
 from typing import Any, Sequence
 
@@ -57,7 +59,10 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, example: str) 
     if args.list:
         from otb_tir.builders import list_plugins
 
-        print(list_plugins())
+        try:
+            print(list_plugins(), flush=True)
+        except BrokenPipeError:  # e.g. `--list | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args

@@ -29,6 +29,22 @@ def _valid_keys(prefix: str, schema: type) -> list[str]:
     return [f.name for f in fields(obj)] if is_dataclass(obj) else []
 
 
+def _key_paths(schema: type) -> list[str]:
+    """Every dotted key of the schema, sections included."""
+    out: list[str] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in fields(obj):
+            path = prefix + f.name
+            out.append(path)
+            value = getattr(obj, f.name)
+            if is_dataclass(value):
+                walk(value, path + ".")
+
+    walk(schema(), "")
+    return out
+
+
 def _key_error(key: str, schema: type) -> ConfigError:
     parent, _, leaf = key.rpartition(".")
     valid = _valid_keys(parent, schema)
@@ -37,6 +53,10 @@ def _key_error(key: str, schema: type) -> ConfigError:
     msg = f"unknown config key '{key}'; valid keys {where}: {', '.join(valid)}"
     if hint:
         msg += f" (did you mean '{(parent + '.' if parent else '') + hint[0]}'?)"
+    else:  # the key exists in another section (e.g. verl's top-level custom_reward_function)
+        elsewhere = [p for p in _key_paths(schema) if p.endswith("." + leaf) and p != key]
+        if elsewhere:
+            msg += f" (did you mean {' or '.join(repr(p) for p in elsewhere[:3])}?)"
     return ConfigError(msg)
 
 

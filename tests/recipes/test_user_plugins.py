@@ -245,6 +245,11 @@ def test_list_shows_every_extension_point_with_where_it_comes_from(user, tmp_pat
     )
     for name in ("python", "calculator", "math", "exact_match", "tir_optimal_token_baseline", "hermes", "arith"):
         assert f"  {name} " in text
+    # `--list | head`: the reader closing the pipe early is no error
+    piped = subprocess.run(
+        f"'{BIN / 'otb-tir-train'}' --list | head -2", shell=True, cwd=user, env=env, capture_output=True, text=True
+    )
+    assert piped.stdout.startswith("tools (entry-point group") and "Traceback" not in piped.stderr, piped.stderr
 
 
 def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, monkeypatch, tmp_path):

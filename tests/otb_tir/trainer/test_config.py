@@ -23,6 +23,8 @@ def test_defaults_and_overrides(tmp_path):
         (["rollout.nn=3"], "did you mean 'rollout.n'"),
         (["actor.optim.lrr=1"], "valid keys under 'actor.optim': lr"),
         (["foo=1"], "valid keys at the top level: model, data"),
+        # verl's spelling of a key that lives in a section here: the error names where it is
+        (["custom_reward_function.path=r.py"], "did you mean 'reward.custom_reward_function'?"),
         (["rollout.n=abc"], "bad value for 'rollout.n'"),
         (["algorithm.adv_estimator=gae"], "unknown advantage estimator 'gae'; available advantage estimators: grpo"),
         (["data.task=quiz"], "data.task: unknown task 'quiz'; available tasks: arith, chain"),
