@@ -2,6 +2,7 @@
 
     python benchmarks/first_run.py                 # seed 0 on an empty cache, seeds 1 and 2 reusing it
     python benchmarks/first_run.py --seeds 0 --quick   # a smoke run: 2 steps, tiny warm start
+    python benchmarks/first_run.py --float-paths native,avx2,generic   # as other CPUs would compute it
 
 Runs ``recipes/train_tir_math.py`` as a subprocess, from a scratch folder, with ``OTB_TIR_CACHE``
 pointing at a new empty folder: the first seed puts the warm start in the cache (a copy of the
@@ -11,6 +12,12 @@ accuracy / tool-call rate before and after training from its ``summary.json``; t
 range over seeds, where the warm start came from (its build times if built), and the machine with
 its speed reference (:func:`otb_tir.machine.speed_reference`), so that a reader can scale the
 times. Trailing ``key=value`` arguments go to the recipe.
+
+``--float-paths`` runs the seeds again under torch's other vector kernels
+(:data:`otb_tir.machine.FLOAT_PATHS`: ``avx2`` as on a CPU without AVX-512, ``generic`` with every
+kernel on another float order), so that the spread of the figures over the float orders other
+machines of this kind compute in is measured here, not assumed. The first seed of the first path
+is the empty-cache run.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from otb_tir.machine import FLOAT_PATHS, cpu_kernels, describe, speed_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = [
@@ -41,7 +50,16 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--quick", action="store_true", help="2 RL steps and a tiny warm start (smoke test)")
     ap.add_argument("--keep", default=None, help="folder for the runs and the cache (default: a temporary one)")
+    ap.add_argument(
+        "--float-paths",
+        default="native",
+        help=f"comma-separated, from {', '.join(FLOAT_PATHS)}: run every seed under each (default: native)",
+    )
     args, overrides = ap.parse_known_args()
+    paths = [p for p in args.float_paths.split(",") if p]
+    unknown = [p for p in paths if p not in FLOAT_PATHS]
+    if unknown or not paths:
+        ap.error(f"--float-paths: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(FLOAT_PATHS)}")
     bad = [o for o in overrides if "=" not in o]
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)} (recipe overrides are key=value)")
@@ -53,46 +71,74 @@ def main() -> int:
         return 2
     env = {**os.environ, "OTB_TIR_CACHE": str(cache), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
-    rows = []
-    for i, seed in enumerate(args.seeds):
-        run = work / f"seed{seed}"
-        cmd = [sys.executable, str(ROOT / "recipes" / "train_tir_math.py"), f"trainer.seed={seed}"]
-        cmd += [f"trainer.output_dir={run}", *(QUICK if args.quick else []), *overrides]
-        print(("first run, empty cache: " if i == 0 else "cache warm: ") + " ".join(cmd[1:]), flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            print(proc.stderr[-4000:], file=sys.stderr)
-            print(f"error: seed {seed} exited with {proc.returncode}", file=sys.stderr)
-            return proc.returncode
-        summary = json.loads((run / "summary.json").read_text())
-        rows.append((seed, i == 0, wall, summary))
+    rows = []  # (float path, seed, first run?, wall time, summary)
+    for path in paths:
+        for seed in args.seeds:
+            first = not rows
+            run = work / (f"seed{seed}" if path == "native" else f"{path}-seed{seed}")
+            cmd = [sys.executable, str(ROOT / "recipes" / "train_tir_math.py"), f"trainer.seed={seed}"]
+            cmd += [f"trainer.output_dir={run}", *(QUICK if args.quick else []), *overrides]
+            kernels = " ".join(f"{k}={v}" for k, v in FLOAT_PATHS[path].items())
+            print(
+                ("first run, empty cache: " if first else "cache warm: ")
+                + (kernels + " " if kernels else "")
+                + " ".join(cmd[1:]),
+                flush=True,
+            )
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                cmd,
+                cwd=work,
+                env={**env, **FLOAT_PATHS[path]},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            wall = time.perf_counter() - t0
+            if proc.returncode != 0:
+                print(proc.stderr[-4000:], file=sys.stderr)
+                print(f"error: seed {seed} ({path}) exited with {proc.returncode}", file=sys.stderr)
+                return proc.returncode
+            summary = json.loads((run / "summary.json").read_text())
+            rows.append((path, seed, first, wall, summary))
     warm = sorted(cache.glob("warm-*/otb_tir_warm_start.json"))
     record = json.loads(warm[0].read_text()) if warm else {}
 
     print(f"\n{len(rows)} runs in {work} (cache {cache})\n")
-    print("| seed | cache | held-out accuracy | tool-call rate | wall time of the command |")
-    print("|---|---|---|---|---|")
-    gains = []
-    for seed, first, wall, s in rows:
+    several = len(paths) > 1
+    print(
+        ("| float path " if several else "")
+        + "| seed | cache | held-out accuracy | tool-call rate | wall time of the command |"
+    )
+    print(("|---" if several else "") + "|---|---|---|---|---|")
+    for path, seed, first, wall, s in rows:
         b, a = s["before"], s["after"]
-        gains.append(a["accuracy"] - b["accuracy"])
         print(
-            f"| {seed} | {'empty (puts the warm start in the cache)' if first else 'warm'} | "
-            f"{b['accuracy']:.2f} → **{a['accuracy']:.2f}** ({100 * gains[-1]:+.0f}) | "
+            (f"| {path} " if several else "")
+            + f"| {seed} | {'empty (puts the warm start in the cache)' if first else 'warm'} | "
+            f"{b['accuracy']:.2f} → **{a['accuracy']:.2f}** ({100 * (a['accuracy'] - b['accuracy']):+.0f}) | "
             f"{b['tool_call_rate']:.2f} → {a['tool_call_rate']:.2f} | {wall:.0f} s ({wall / 60:.1f} min) |"
         )
     stats = lambda xs: f"{sum(xs) / len(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"  # noqa: E731
-    before = [s["before"]["accuracy"] for _, _, _, s in rows]
-    after = [s["after"]["accuracy"] for _, _, _, s in rows]
+
+    def summarize(label: str, picked: list) -> None:
+        before = [s["before"]["accuracy"] for *_, s in picked]
+        after = [s["after"]["accuracy"] for *_, s in picked]
+        gains = [100 * (a - b) for a, b in zip(after, before)]
+        print(
+            f"{label}over {len(picked)} seed{'s' if len(picked) > 1 else ''}, mean [min, max]: "
+            f"held-out accuracy {stats(before)} → {stats(after)}, "
+            f"gain {sum(gains) / len(gains):+.1f} points [{min(gains):+.0f}, {max(gains):+.0f}]"
+        )
+
+    print()
+    for path in paths:
+        summarize(f"{path}: " if several else "", [r for r in rows if r[0] == path])
+    if several:
+        summarize(f"all {len(paths)} float paths: ", rows)
+    walls = [w for _, _, first, w, _ in rows if not first]
     print(
-        f"\nover {len(rows)} seeds, mean [min, max]: held-out accuracy {stats(before)} → {stats(after)}, "
-        f"gain {100 * sum(gains) / len(gains):+.1f} points [{100 * min(gains):+.0f}, {100 * max(gains):+.0f}]"
-    )
-    walls = [w for _, first, w, _ in rows if not first]
-    print(
-        f"wall time: first run {rows[0][2]:.0f} s"
+        f"wall time: first run {rows[0][3]:.0f} s"
         + (f", cache warm {sum(walls) / len(walls):.0f} s [{min(walls):.0f}, {max(walls):.0f}]" if walls else "")
     )
     source = record.get("source", "built here")
@@ -105,11 +151,9 @@ def main() -> int:
             f"SFT {record.get('train_seconds', float('nan')):.1f} s "
             f"({len(record.get('losses', []))} steps, final loss {sum(record['losses'][-10:]) / 10:.3f})"
         )
-    from otb_tir.machine import describe, speed_reference
-
     ref = speed_reference()
     print(
-        f"machine: {describe()}; speed reference {ref['matmul_gflops']:.0f} GFLOP/s "
+        f"machine: {describe()}, {cpu_kernels()} natively; speed reference {ref['matmul_gflops']:.0f} GFLOP/s "
         f"(otb_tir.machine.speed_reference, {ref['threads']:.0f} threads): scale the times by the ratio to yours"
     )
     return 0

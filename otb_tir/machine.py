@@ -11,7 +11,18 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["describe", "speed_reference"]
+__all__ = ["FLOAT_PATHS", "cpu_kernels", "describe", "speed_reference"]
+
+# Environments that make torch on this CPU compute as another CPU of this kind would: the float
+# order of a run follows the vector kernels torch dispatches to (ATen's AVX-512 / AVX2 / scalar
+# kernels, MKL's code path), so a run under each shows how far a figure moves from machine to machine.
+FLOAT_PATHS: dict[str, dict[str, str]] = {
+    "native": {},
+    # an AVX2-only CPU (no AVX-512): ATen's AVX2 kernels (MKL's sgemm gives the same bits here)
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    # every kernel on another float order: ATen's scalar kernels and MKL's SSE4.2 path
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
 
 
 def describe() -> str:
@@ -38,6 +49,15 @@ def describe() -> str:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return f"{os.cpu_count()} × {cpu}{mem}, {gpu}, {platform.system()} {platform.release()}"
+
+
+def cpu_kernels() -> str:
+    """The vector kernels torch uses in this process (ATen's CPU capability, MKL's instruction
+    limit if one is set): what decides a run's float order on a CPU."""
+    import torch
+
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    return f"torch CPU kernels {torch.backends.cpu.get_cpu_capability()}" + (f", MKL {mkl}" if mkl else "")
 
 
 def speed_reference(reps: int = 5) -> dict[str, float]:

@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_first_run_builds_the_warm_start_once_and_reports_each_seed(tmp_path):
     work = tmp_path / "runs"
     proc = subprocess.run(
-        [sys.executable, ROOT / "benchmarks" / "first_run.py", "--seeds", "0", "1", "--quick", "--keep", work],
+        [
+            *(sys.executable, ROOT / "benchmarks" / "first_run.py", "--seeds", "0", "--quick", "--keep", work),
+            *("--float-paths", "native,avx2"),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -27,12 +30,18 @@ def test_quick_first_run_builds_the_warm_start_once_and_reports_each_seed(tmp_pa
     # one warm start was built, in the benchmark's own (initially empty) cache, and recorded
     (record,) = (work / "cache").glob("warm-*/otb_tir_warm_start.json")
     assert len(json.loads(record.read_text())["losses"]) == 60
-    for seed in (0, 1):
-        summary = json.loads((work / f"seed{seed}" / "summary.json").read_text())
+    kernels = {}
+    for path, run in (("native", "seed0"), ("avx2", "avx2-seed0")):
+        summary = json.loads((work / run / "summary.json").read_text())
         acc = f"{summary['before']['accuracy']:.2f} → **{summary['after']['accuracy']:.2f}**"
-        assert f"| {seed} | " in out and acc in out
-    assert "empty (puts the warm start in the cache)" in out and "| 1 | warm |" in out
-    assert "over 2 seeds, mean [min, max]: held-out accuracy" in out
+        assert f"| {path} | 0 | " in out and acc in out
+        kernels[path] = summary["cpu_kernels"]
+    # the second path's run computed on torch's AVX2 kernels: what a CPU without AVX-512 runs
+    assert kernels["avx2"] == "torch CPU kernels AVX2", kernels
+    assert kernels["native"].startswith("torch CPU kernels ")
+    assert "| native | 0 | empty (puts the warm start in the cache)" in out and "| avx2 | 0 | warm |" in out
+    assert "native: over 1 seed, mean [min, max]: held-out accuracy" in out
+    assert "all 2 float paths: over 2 seeds," in out
     assert "warm start built here (first run): traces" in out  # --quick: a small one, never the shipped
     assert "speed reference" in out and "GFLOP/s" in out
 

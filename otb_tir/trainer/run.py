@@ -72,6 +72,7 @@ def _run(cfg, info, reward_fn, setup) -> dict[str, Any]:
 
 
 def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, out: Path) -> dict[str, Any]:
+    from otb_tir.machine import cpu_kernels
     from otb_tir.metrics import summary_figures
     from otb_tir.trainer.distributed import barrier, broadcast_object
     from otb_tir.trainer.parts import build_parts, trainer_settings
@@ -85,6 +86,7 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
         "seed": cfg.trainer.seed,
         "steps": cfg.trainer.total_steps,
         "world_size": world,
+        "cpu_kernels": cpu_kernels(),  # the float order's source: figures move with it across CPUs
         "tools": tools.describe(),
         "plugins": resolved_plugins(cfg, tools),
     }
