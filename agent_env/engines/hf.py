@@ -9,6 +9,9 @@ requests into one running batch that shares forward passes:
 * each decode step feeds the last sampled token of every running row through one forward with a
   transformers ``DynamicCache``; rows that finish (stop token, stop string, ``max_tokens``) leave
   the batch at once and left columns that only hold padding are trimmed;
+* a request that continues a finished one (the next turn of a multi-turn episode: the same tokens,
+  the sampled turn, then the tool's answer) is prefilled on that request's kept keys/values, so only
+  its new tokens go through the model (:class:`~agent_env.engines.hf_batch.PrefixCache`);
 * the torch work runs in a worker thread (``asyncio.to_thread``), so tool calls of other episodes
   run while the model computes.
 
@@ -35,12 +38,14 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams
-from agent_env.engines.hf_batch import RunningBatch, zero_padding
+from agent_env.engines.hf_batch import PrefixCache, RunningBatch, cache_layers, zero_padding
 from agent_env.engines.hf_sampling import Request, make_request, sample
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFEngine"]
+__all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "HFEngine"]
+
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 
 
 class HFEngine(RunningBatch):
@@ -61,6 +66,10 @@ class HFEngine(RunningBatch):
             are seen immediately, and :meth:`update_weights` only drops cached keys/values.
         stop_at_eos: also stop (``"stop"``) at the tokenizer's / generation config's eos ids, as
             vLLM does by default. The eos token is included in the output.
+        prefix_cache_bytes: most bytes of keys/values kept from finished requests for the next turn
+            of their conversation (None: 256 MiB; 0 = off: every request is prefilled from its
+            first token).
+            Dropped whenever the model's weights change (in place or by :meth:`update_weights`).
     """
 
     def __init__(
@@ -73,6 +82,7 @@ class HFEngine(RunningBatch):
         seed: int | None = None,
         share_weights: bool = False,
         stop_at_eos: bool = True,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -128,7 +138,17 @@ class HFEngine(RunningBatch):
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
-        self.stats = {"steps": 0, "prefills": 0, "decoded_rows": 0, "max_running": 0}
+        self._prefix = PrefixCache(DEFAULT_PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes)
+        self.stats = {
+            "steps": 0,
+            "prefills": 0,
+            "decoded_rows": 0,
+            "max_running": 0,
+            "prefilled_tokens": 0,  # tokens fed through the model by prefills
+            "prefix_hits": 0,  # requests prefilled on a finished request's keys/values
+            "prefix_tokens": 0,  # tokens those requests did not feed again
+            "prefill_rows_shared": 0,  # rows copied from a row with the same tokens in their prefill
+        }
 
     # ------------------------------------------------------------------ public API
 
@@ -263,7 +283,7 @@ class HFEngine(RunningBatch):
         if admit:
             first = len(self._active)
             self._prefill(admit)
-            finished = [first + i for i, r in enumerate(admit) if r.finish_reason is not None]
+            finished = [first + i for i, r in enumerate(self._active[first:]) if r.finish_reason is not None]
             if finished:
                 self._drop_rows(finished)
         self.stats["max_running"] = max(self.stats["max_running"], len(self._active))
@@ -289,23 +309,78 @@ class HFEngine(RunningBatch):
         self.stats["decoded_rows"] += b
         return self._accept(self._active, logits, rows=range(b))
 
+    def _weights_signature(self) -> int:
+        # in-place changes (an optimizer step on shared weights, update_weights' copies) bump these
+        return sum(p._version for p in self.model.parameters())
+
     def _prefill(self, reqs: list[Request]) -> None:
+        """Admit ``reqs``: those that continue a kept request on its keys/values, the rest from their
+        first token (two forwards at most; each group joins the running batch as it is prefilled)."""
+        fresh: list[tuple] = []  # (request, kept tokens, kept keys/values, their mask)
+        cont: list[tuple] = []
+        weights = self._weights_signature() if self._prefix.max_bytes else None
+        for r in reqs:
+            hit = self._prefix.take(r.prompt_ids + r.out_ids, weights) if self._prefix.max_bytes else None
+            (cont if hit else fresh).append((r, *hit) if hit else (r, 0, [], None))
+        for group in (fresh, cont):
+            if group:
+                self._prefill_group(group)
+
+    def _prefill_group(self, group: list[tuple]) -> None:
         from transformers import DynamicCache
 
+        reqs = [r for r, *_ in group]
         seqs = [r.prompt_ids + r.out_ids for r in reqs]  # out_ids is non-empty after a weight update
-        width = max(map(len, seqs))
-        pad_id = 0
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
+        # Rows with the same tokens (the n samples of one prompt; samples that wrote the same turn)
+        # go through the model once and are copied.
+        index: dict[tuple[tuple[int, ...], int], int] = {}
+        inverse = [index.setdefault((tuple(s), g[1]), len(index)) for s, g in zip(seqs, group)]
+        rows = []  # the first row of each distinct sequence, in order (its id is its place here)
+        for i, j in enumerate(inverse):
+            if j == len(rows):
+                rows.append(i)
+        past = [group[i][1] for i in rows]  # tokens kept for each row
+        kept = [group[i][3].shape[0] if group[i][3] is not None else 0 for i in rows]  # their columns
+        new = [seqs[i][n:] for i, n in zip(rows, past)]
+        p_width, width = max(kept), max(map(len, new))
+        b = len(rows)
+        ids = torch.zeros((b, width), dtype=torch.long)
+        mask = torch.zeros((b, p_width + width), dtype=torch.long)
+        pos = torch.zeros((b, width), dtype=torch.long)
+        for i, (s, n, w) in enumerate(zip(new, past, kept)):
             ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            if w:  # the kept keys/values' columns, left-padded to p_width
+                mask[i, p_width - w : p_width] = group[rows[i]][3]
+            mask[i, p_width + width - len(s) :] = 1
+            pos[i, width - len(s) :] = torch.arange(n, n + len(s))
+        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         cache = DynamicCache(config=self.model.config)
+        if p_width:
+            pad = torch.nn.functional.pad
+            for layer, _ in enumerate(cache_layers(cache)):
+                keys = torch.cat([pad(group[i][2][layer][0], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
+                values = torch.cat([pad(group[i][2][layer][1], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
+                cache.update(keys, values, layer)
+            self.stats["prefix_hits"] += len(group)
+            self.stats["prefix_tokens"] += sum(g[1] for g in group)
         logits, cache = self._forward(ids, mask, pos, cache)
         zero_padding(cache, mask)
+        if p_width:  # close the gaps between kept and new columns: the row's columns, right-aligned
+            order = torch.argsort(mask, dim=1, stable=True)  # padding first, then the row's own in order
+            mask = mask.gather(1, order)
+            start = int(mask.argmax(dim=1).min())  # the first column any row uses
+            order, mask = order[:, start:], mask[:, start:]
+            for layer in cache_layers(cache):
+                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        if b < len(group):
+            expand = torch.tensor(inverse, device=self.device)
+            logits, mask = logits.index_select(0, expand), mask.index_select(0, expand)
+            for layer in cache_layers(cache):
+                layer.keys, layer.values = layer.keys.index_select(0, expand), layer.values.index_select(0, expand)
         self.stats["prefills"] += 1
+        self.stats["prefilled_tokens"] += sum(map(len, new))
+        self.stats["prefill_rows_shared"] += len(group) - b
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)
         self._merge(reqs, cache, mask, lengths)
         first = len(self._active) - len(reqs)
@@ -360,6 +435,7 @@ class HFEngine(RunningBatch):
                             f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                         )
                     target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+            self._prefix.clear()  # kept keys/values are stale too (the signature would also tell)
             # In-flight rows: their cached keys/values are stale; prefill them again next step.
             if self._active:
                 for req in reversed(self._active):

@@ -7,10 +7,17 @@ The running batch is left-padded: row ``i`` of the ``DynamicCache`` layers, of t
 left-padding whichever side is shorter (:meth:`RunningBatch._merge`), drops finished rows and trims
 the left columns that are padding for every row left (:meth:`RunningBatch._drop_rows`). Only
 full-attention caches (transformers >= 4.56 ``DynamicLayer``) can be merged this way.
+
+:class:`PrefixCache` keeps the keys/values of finished requests for the next turn of the same
+conversation: a multi-turn episode's next prompt is the previous one, the turn it sampled and the
+tool's answer, token for token, so its prefill needs only the new tokens (vLLM's prefix caching
+does the same in blocks). Entries are bounded in bytes (least recently stored first out) and
+dropped whenever the model's weights change.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -81,7 +88,35 @@ class RunningBatch:
         self._pos = torch.cat([self._pos, lengths])
         self._active.extend(reqs)
 
+    def _keep_for_next_turn(self, rows: list[int]) -> None:
+        """Store the keys/values of the rows that finished a turn (stop or length) in the prefix cache:
+        each row from its first real column (with the padding columns inside it, masked)."""
+        prefix: PrefixCache | None = getattr(self, "_prefix", None)
+        if prefix is None or not prefix.max_bytes or self._mask is None:
+            return
+        weights = self._weights_signature()
+        layers = cache_layers(self._cache)
+        picked = torch.tensor(rows, device=self._mask.device)
+        starts = self._mask.index_select(0, picked).argmax(dim=1).tolist()  # first real column (mask is 0/1)
+        counts = self._mask.index_select(0, picked).sum(dim=1).tolist()
+        for i, start, count in zip(rows, starts, counts):
+            req = self._active[i]
+            if req.finish_reason not in ("stop", "length"):
+                continue  # aborted or failed: no next turn
+            tokens = tuple((req.prompt_ids + req.out_ids)[:-1])  # the last sampled token was never fed
+            if count != len(tokens) or prefix.again(tokens, weights):
+                continue
+            kv = [
+                (layer.keys[i : i + 1, :, start:].clone(), layer.values[i : i + 1, :, start:].clone())
+                for layer in layers
+            ]
+            prefix.put(tokens, kv, self._mask[i, start:].clone(), weights)
+
+    def _weights_signature(self) -> Any:
+        raise NotImplementedError
+
     def _drop_rows(self, rows: list[int]) -> None:
+        self._keep_for_next_turn(rows)
         gone = set(rows)
         keep = [i for i in range(len(self._active)) if i not in gone]
         if not keep:
@@ -100,3 +135,86 @@ class RunningBatch:
         self._next = self._next.index_select(0, idx)
         self._pos = self._pos.index_select(0, idx)
         self._active = [self._active[i] for i in keep]
+
+
+class PrefixCache:
+    """Keys/values of finished requests, keyed by the tokens they hold (see the module docstring).
+
+    ``put`` stores one row's per-layer ``(keys, values)`` (``[1, heads, W, dim]``) and its mask
+    (``[W]``, 1 on the ``T`` columns that hold its tokens, in order) under those ``T`` tokens;
+    :meth:`again` counts one more store of tokens already held (samples of one prompt that wrote the
+    same turn: one copy in memory, taken once per store). ``take(prompt)`` returns the longest
+    stored entry whose tokens are a strict prefix of ``prompt`` (at least one new token is left to
+    feed) as ``(T, kv, mask)`` and uses one of its stores up. ``weights`` is a signature of the
+    model's weights (their in-place version counters): an entry stored under other weights is never
+    returned, because its keys/values are stale. Returned tensors are shared: copy, never write.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise EngineError(f"prefix_cache_bytes must be >= 0 (0 = off), got {max_bytes}")
+        self.max_bytes = max_bytes
+        # tokens -> [per-layer (keys, values), mask, stores left]
+        self._entries: OrderedDict[tuple[int, ...], list] = OrderedDict()
+        self._bytes = 0
+        self._weights: Any = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    @staticmethod
+    def _size(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+    def _check(self, weights: Any) -> None:
+        if weights != self._weights:
+            self.clear()
+            self._weights = weights
+
+    def again(self, tokens: tuple[int, ...], weights: Any) -> bool:
+        """One more store of ``tokens`` if they are held (True), else False (then :meth:`put` them)."""
+        self._check(weights)
+        entry = self._entries.get(tokens)
+        if entry is None:
+            return False
+        entry[2] += 1
+        self._entries.move_to_end(tokens)
+        return True
+
+    def put(
+        self, tokens: tuple[int, ...], kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, weights: Any
+    ) -> None:
+        if self.again(tokens, weights):
+            return
+        size = self._size(kv)
+        if not tokens or size > self.max_bytes:
+            return
+        self._entries[tokens] = [kv, mask, 1]  # most recently stored last
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (gone, _, _) = self._entries.popitem(last=False)
+            self._bytes -= self._size(gone)
+
+    def take(self, prompt: list[int], weights: Any) -> tuple[int, list, torch.Tensor] | None:
+        self._check(weights)
+        best = None
+        for tokens in self._entries:
+            n = len(tokens)
+            if n < len(prompt) and (best is None or n > len(best)) and tuple(prompt[:n]) == tokens:
+                best = tokens
+        if best is None:
+            return None
+        entry = self._entries[best]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._entries[best]
+            self._bytes -= self._size(entry[0])
+        return len(best), entry[0], entry[1]

@@ -152,6 +152,7 @@ def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
                 max_batch_size=r.max_batch_size,
                 seed=cfg.eval.seed,
                 stop_at_eos=False,
+                prefix_cache_bytes=None if r.enable_prefix_caching else 0,
             )
         dtype = None if r.dtype == "auto" else r.dtype
         if r.name == "vllm":

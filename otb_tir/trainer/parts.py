@@ -185,7 +185,12 @@ def build_parts(
     # The episode stops turns at the template's end-of-turn token; the tiny policy's generation
     # config also lists the pad token as eos, which must not end a turn.
     weights_fn = None
-    common = dict(max_batch_size=cfg.rollout.max_batch_size, seed=cfg.trainer.seed, stop_at_eos=False)
+    common = dict(
+        max_batch_size=cfg.rollout.max_batch_size,
+        seed=cfg.trainer.seed,
+        stop_at_eos=False,
+        prefix_cache_bytes=None if cfg.rollout.enable_prefix_caching else 0,
+    )
     if shard:
         # the engine keeps its own unsharded copy; the full state dict is copied in after each update
         engine = HFEngine(model, tokenizer, device=device, share_weights=False, **common)

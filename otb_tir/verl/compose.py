@@ -354,6 +354,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "actor_rollout_ref.rollout.temperature": float(r.temperature),
         "actor_rollout_ref.rollout.top_p": float(r.top_p),
         "actor_rollout_ref.rollout.top_k": int(r.top_k),
+        "actor_rollout_ref.rollout.enable_prefix_caching": bool(r.enable_prefix_caching),
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": log_prob_micro,

@@ -421,3 +421,95 @@ def test_property_logprobs_and_greedy_under_random_batches(engine, tiny_model, r
             with torch.no_grad():
                 logits = tiny_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
             assert logits.argmax(-1).tolist() == out.token_ids
+
+
+# --------------------------------------------------------------------------- the prefix cache
+
+
+def test_next_turn_is_prefilled_on_the_kept_keys_and_values(tiny_model_dir, tiny_model, prompts):
+    """A multi-turn episode's next prompt = the last prompt + the turn it sampled + the tool's answer:
+    only the new tokens are fed, and every log-prob still equals an unpadded forward of the whole
+    context (as without the cache: same greedy tokens)."""
+    answer = [17, 42, 99, 7, 256]  # a tool's answer, as tokens
+    results = {}
+    for size in (256 * 2**20, 0):
+        eng = HFEngine(tiny_model_dir, prefix_cache_bytes=size)
+        sp = SamplingParams(max_tokens=12, temperature=0.0)
+        first = run(gen_all(eng, prompts[:4], sp))
+        before = dict(eng.stats)
+        nexts = [p + o.token_ids + answer for p, o in zip(prompts[:4], first)]
+        params = [SamplingParams(max_tokens=10, temperature=0.7, seed=i) for i in range(4)]
+        second = run(gen_all(eng, nexts, params))
+        fed = eng.stats["prefilled_tokens"] - before["prefilled_tokens"]
+        results[size] = (eng.stats["prefix_hits"] - before["prefix_hits"], fed, second)
+        for prompt, out in zip(nexts, second):
+            ref = teacher_forced(tiny_model, prompt, out.token_ids, 0.7)
+            assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+        run(eng.close())
+    hits, fed, second = results[256 * 2**20]
+    assert hits == 4
+    assert fed == 4 * (1 + len(answer))  # each turn's last sampled token (never fed) + the answer
+    hits0, fed0, second0 = results[0]
+    assert hits0 == 0 and fed0 == sum(len(p) for p in nexts)
+    assert [o.token_ids for o in second] == [o.token_ids for o in second0]
+
+
+def test_kept_keys_and_values_are_never_used_after_the_weights_change(tiny_model_factory, prompts):
+    """Shared weights changed in place (an optimizer step) without update_weights: the kept entries
+    are stale, so the next turn is prefilled in full and matches the new weights."""
+    model = tiny_model_factory()
+    eng = HFEngine(model, share_weights=True)
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    out = run(eng.generate(prompts[0], sp))
+    assert len(eng._prefix) == 1
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    nxt = prompts[0] + out.token_ids + [5, 6]
+    again = run(eng.generate(nxt, sp))
+    assert eng.stats["prefix_hits"] == 0
+    ref = teacher_forced(model, nxt, again.token_ids, 0.0)
+    assert torch.allclose(torch.tensor(again.logprobs), ref, atol=1e-4, rtol=0)
+    # and update_weights drops them too
+    out = run(eng.generate(prompts[1], sp))
+    run(eng.update_weights([]))
+    assert len(eng._prefix) == 0
+    run(eng.close())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=8),
+    st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    st.integers(0, 600),
+)
+def test_prefix_cache_takes_the_longest_strict_prefix_within_its_bytes(stored, prompt, max_bytes):
+    """Against brute force: which entries survive the byte bound (oldest out first) and which one
+    ``take`` returns (the longest stored strict prefix of the prompt, removed once taken)."""
+    from agent_env.engines.hf_batch import PrefixCache
+
+    cache = PrefixCache(max_bytes)
+    kept: list[tuple[int, ...]] = []  # brute force: tokens in insertion order, 8 bytes a token
+    uses: dict[tuple[int, ...], int] = {}  # stores of the tokens while held
+    for tokens in stored:
+        key = tuple(tokens)
+        kv = [(torch.zeros(1, 1, len(key), 1), torch.zeros(1, 1, len(key), 1))]  # 8 bytes per token
+        cache.put(key, kv, torch.ones(len(key), dtype=torch.long), weights=0)
+        if key in kept:  # stored again: one copy, one more use, most recently stored
+            kept = [k for k in kept if k != key] + [key]
+            uses[key] += 1
+        elif 8 * len(key) <= max_bytes:
+            kept.append(key)
+            uses[key] = 1
+            while sum(8 * len(k) for k in kept) > max_bytes:
+                kept.pop(0)
+    assert len(cache) == len(kept) and cache.nbytes == sum(8 * len(k) for k in kept)
+    strict = [k for k in kept if len(k) < len(prompt) and tuple(prompt[: len(k)]) == k]
+    got = cache.take(prompt, weights=0)
+    if not strict:
+        assert got is None
+    else:
+        n, kv, mask = got
+        best = max(strict, key=len)
+        assert n == len(best) and kv[0][0].shape[2] == n and int(mask.sum()) == n
+        assert len(cache) == len(kept) - (uses[best] == 1)
+    assert cache.take(prompt, weights=1) is None and len(cache) == 0  # other weights: all stale
