@@ -350,7 +350,7 @@ class HFEngine(RunningBatch):
         for i, (s, n, w) in enumerate(zip(new, past, kept)):
             ids[i, width - len(s) :] = torch.tensor(s)
             if w:  # the kept keys/values' columns, left-padded to p_width
-                mask[i, p_width - w : p_width] = group[rows[i]][3]
+                mask[i, p_width - w : p_width] = group[rows[i]][3].cpu()
             mask[i, p_width + width - len(s) :] = 1
             pos[i, width - len(s) :] = torch.arange(n, n + len(s))
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)

@@ -208,7 +208,9 @@ class PrefixCache:
         best = None
         for tokens in self._entries:
             n = len(tokens)
-            if n < len(prompt) and (best is None or n > len(best)) and tuple(prompt[:n]) == tokens:
+            if n >= len(prompt) or (best is not None and n <= len(best)) or prompt[n - 1] != tokens[-1]:
+                continue  # (the last token first: most entries differ there)
+            if tuple(prompt[:n]) == tokens:
                 best = tokens
         if best is None:
             return None
