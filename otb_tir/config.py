@@ -29,19 +29,12 @@ def _valid_keys(prefix: str, schema: type) -> list[str]:
     return [f.name for f in fields(obj)] if is_dataclass(obj) else []
 
 
-def _key_paths(schema: type) -> list[str]:
-    """Every dotted key of the schema, sections included."""
+def _key_paths(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema under ``prefix``, sections included."""
     out: list[str] = []
-
-    def walk(obj: Any, prefix: str) -> None:
-        for f in fields(obj):
-            path = prefix + f.name
-            out.append(path)
-            value = getattr(obj, f.name)
-            if is_dataclass(value):
-                walk(value, path + ".")
-
-    walk(schema(), "")
+    for name in _valid_keys(prefix, schema):
+        path = f"{prefix}.{name}" if prefix else name
+        out += [path, *_key_paths(schema, path)]
     return out
 
 

@@ -320,7 +320,7 @@ class HFEngine(RunningBatch):
         cont: list[tuple] = []
         weights = self._weights_signature() if self._prefix.max_bytes else None
         for r in reqs:
-            hit = self._prefix.take(r.prompt_ids + r.out_ids, weights) if self._prefix.max_bytes else None
+            hit = self._prefix.take(r.prompt_ids + r.out_ids, weights)  # never one when the cache is off
             (cont if hit else fresh).append((r, *hit) if hit else (r, 0, [], None))
         for group in (fresh, cont):
             if group:

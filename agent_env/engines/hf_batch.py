@@ -54,6 +54,7 @@ class RunningBatch:
     _mask: torch.Tensor | None
     _next: torch.Tensor | None
     _pos: torch.Tensor | None
+    _prefix: "PrefixCache"
 
     def _reset_batch(self) -> None:
         self._active = []
@@ -91,14 +92,14 @@ class RunningBatch:
     def _keep_for_next_turn(self, rows: list[int]) -> None:
         """Store the keys/values of the rows that finished a turn (stop or length) in the prefix cache:
         each row from its first real column (with the padding columns inside it, masked)."""
-        prefix: PrefixCache | None = getattr(self, "_prefix", None)
-        if prefix is None or not prefix.max_bytes or self._mask is None:
+        prefix = self._prefix
+        if not prefix.max_bytes or self._mask is None:
             return
         weights = self._weights_signature()
         layers = cache_layers(self._cache)
-        picked = torch.tensor(rows, device=self._mask.device)
-        starts = self._mask.index_select(0, picked).argmax(dim=1).tolist()  # first real column (mask is 0/1)
-        counts = self._mask.index_select(0, picked).sum(dim=1).tolist()
+        masks = self._mask.index_select(0, torch.tensor(rows, device=self._mask.device))
+        starts = masks.argmax(dim=1).tolist()  # each row's first real column (the mask is 0/1)
+        counts = masks.sum(dim=1).tolist()
         for i, start, count in zip(rows, starts, counts):
             req = self._active[i]
             if req.finish_reason not in ("stop", "length"):

@@ -454,6 +454,23 @@ def test_next_turn_is_prefilled_on_the_kept_keys_and_values(tiny_model_dir, tiny
     assert [o.token_ids for o in second] == [o.token_ids for o in second0]
 
 
+def test_samples_of_one_prompt_are_prefilled_once(tiny_model_dir, tiny_model, prompts):
+    """n samples of one prompt arriving together: the prompt goes through the model once, every
+    sample's log-probs still equal an unpadded forward, and greedy samples are all alike."""
+    eng = HFEngine(tiny_model_dir)
+    group = [prompts[0]] * 4 + [prompts[1]] * 3
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=i) for i in range(len(group))]
+    outs = run(gen_all(eng, group, params))
+    assert eng.stats["prefills"] == 1 and eng.stats["prefill_rows_shared"] == 5
+    assert eng.stats["prefilled_tokens"] == len(prompts[0]) + len(prompts[1])
+    for prompt, out in zip(group, outs):
+        ref = teacher_forced(tiny_model, prompt, out.token_ids, 0.9)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    greedy = run(gen_all(eng, [prompts[2]] * 3, SamplingParams(max_tokens=8, temperature=0.0)))
+    assert greedy[0].token_ids == greedy[1].token_ids == greedy[2].token_ids
+    run(eng.close())
+
+
 def test_kept_keys_and_values_are_never_used_after_the_weights_change(tiny_model_factory, prompts):
     """Shared weights changed in place (an optimizer step) without update_weights: the kept entries
     are stale, so the next turn is prefilled in full and matches the new weights."""
