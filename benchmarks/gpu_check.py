@@ -1,6 +1,7 @@
-"""GPU check: one TIR-OTB training step of a Qwen3-0.6B-shaped random model at 4k-token responses.
+"""GPU check: one TIR-OTB training step of a Qwen3-0.6B-shaped random model at 512-token responses.
 
-    python benchmarks/gpu_check.py                 # needs a CUDA GPU; ≤ 8 minutes on one H200-class GPU
+    python benchmarks/gpu_check.py                 # needs a CUDA GPU; about 1.5 minutes on one H200
+    python benchmarks/gpu_check.py --response-length 4096   # long responses: the HF engine decodes ~90 ms a token
     python benchmarks/gpu_check.py --cpu-smoke     # a tiny shape on CPU: proves every code path here
     python benchmarks/gpu_check.py --no-fsdp       # the plain one-process actor instead of FSDP2
 
@@ -185,7 +186,7 @@ def run_check(args) -> dict[str, Any]:
         device = torch.device("cuda", 0)
         torch.backends.cuda.matmul.allow_tf32 = True
     shape = dict(SMOKE if smoke else QWEN3_0_6B)
-    r = args.response_length or (96 if smoke else 4096)
+    r = args.response_length or (96 if smoke else 512)
     n, prompts = args.n, args.prompts
     micro = args.micro_batch_size
     low = None if smoke else torch.bfloat16
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument(
-        "--response-length", type=int, default=None, help="response tokens (default 4096; 96 with --cpu-smoke)"
+        "--response-length", type=int, default=None, help="response tokens (default 512; 96 with --cpu-smoke)"
     )
     p.add_argument("--micro-batch-size", type=int, default=2, help="trajectories per actor forward/backward")
     p.add_argument("--out", default=None, help="JSON file for the figures (default runs/gpu_check[_cpu_smoke].json)")

@@ -6,6 +6,11 @@ the exact command: the one way measured figures reach the results page.
 The section is the text between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; a new
 run replaces it (the rest of the page is kept as it is), a first run appends it. A command that
 exits non-zero writes nothing and its exit code is this script's.
+
+A run on another machine (a lent GPU) is recorded from what it printed there, with that machine's
+description, without running the command here:
+
+    python benchmarks/record.py NAME "Title" --printed log.txt --machine "1x NVIDIA H200, ..." -- CMD
 """
 
 from __future__ import annotations
@@ -60,20 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="section name (letters, digits, - and _)")
     p.add_argument("title", help="the section's heading")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--printed", type=Path, help="what the command printed on another machine (not run here)")
+    p.add_argument("--machine", help="that machine's description (with --printed)")
     args = p.parse_args(argv[:cut])
     command = argv[cut + 1 :]
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name) or not command:
         p.error("a NAME of letters, digits, - and _, and a command after --")
-    proc = subprocess.run(command, capture_output=True, text=True)
-    sys.stdout.write(proc.stdout)
-    sys.stderr.write(proc.stderr)
-    if proc.returncode != 0:
-        print(f"record: the command exited {proc.returncode}; {args.results} not changed", file=sys.stderr)
-        return proc.returncode
+    if (args.printed is None) != (args.machine is None):
+        p.error("--printed and --machine go together")
+    if args.printed is not None:
+        output, where = args.printed.read_text(), args.machine
+    else:
+        proc = subprocess.run(command, capture_output=True, text=True)
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        if proc.returncode != 0:
+            print(f"record: the command exited {proc.returncode}; {args.results} not changed", file=sys.stderr)
+            return proc.returncode
+        output, where = proc.stdout, machine()
     when = _dt.date.today().isoformat()
-    write_section(
-        args.results, args.name, section(args.name, args.title, command, proc.stdout, when=when, where=machine())
-    )
+    write_section(args.results, args.name, section(args.name, args.title, command, output, when=when, where=where))
     print(f"record: section '{args.name}' of {args.results} written", file=sys.stderr)
     return 0
 

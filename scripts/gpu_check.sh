@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One TIR-OTB training step of a Qwen3-0.6B-shaped random model at 4k-token responses on one GPU
-# (HF engine rollout, FSDP2 actor, fused vs unfused Σπ² peak memory). ≤ 8 minutes on an H200.
+# One TIR-OTB training step of a Qwen3-0.6B-shaped random model at 512-token responses on one GPU
+# (HF engine rollout, FSDP2 actor, fused vs unfused Σπ² peak memory). About 1.5 minutes on an H200
+# (measured 2026-12-04, docs/results.md). --response-length 4096: the rollout alone takes ~6 min at the
+# measured ~90 ms a decode step; raise the timeout (GPU_CHECK_TIMEOUT, seconds, default 480).
 #   scripts/gpu_check.sh                 # the GPU check (fails clearly without a CUDA GPU)
 #   scripts/gpu_check.sh --cpu-smoke     # tiny shape on CPU: checks the code paths
 #   scripts/gpu_check.sh --no-fsdp ...   # any other flag goes to benchmarks/gpu_check.py
@@ -22,4 +24,4 @@ if [[ $cpu_smoke == 0 ]]; then
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
 export TOKENIZERS_PARALLELISM=false
-exec timeout --signal=INT 480 "$PY" "$ROOT/benchmarks/gpu_check.py" "$@"
+exec timeout --signal=INT "${GPU_CHECK_TIMEOUT:-480}" "$PY" "$ROOT/benchmarks/gpu_check.py" "$@"

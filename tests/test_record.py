@@ -51,3 +51,18 @@ def test_a_bad_name_or_no_command_is_refused(tmp_path):
     assert _record(page, "bad name", "T", "--", sys.executable, "-c", "pass").returncode == 2
     assert _record(page, "ok", "T", "--").returncode == 2
     assert not page.exists()
+
+
+def test_a_run_on_another_machine_is_recorded_from_what_it_printed_without_running_here(tmp_path):
+    page = tmp_path / "results.md"
+    printed = tmp_path / "log.txt"
+    printed.write_text("engine 1.23x\n")
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]  # would leave a file if run here
+    proc = _record(page, "gpu", "On a GPU", "--printed", str(printed), "--machine", "1x NVIDIA H200", "--", *cmd)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()
+    text = page.read_text()
+    assert "Machine: 1x NVIDIA H200." in text and "engine 1.23x" in text and f"Command: `{shlex.join(cmd)}`" in text
+    # one without the other is refused
+    assert _record(page, "gpu", "T", "--printed", str(printed), "--", *cmd).returncode == 2

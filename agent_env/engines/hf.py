@@ -391,8 +391,10 @@ class HFEngine(RunningBatch):
         tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         assert self._next is not None
         self._next[rows.start : rows.stop] = tokens.to(self.device)
+        # one copy to the host for both (float64 holds every token id and float32 log-prob exactly)
+        host = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()
         finished = []
-        for row, req, tok, lp in zip(rows, reqs, tokens.tolist(), logprobs.tolist()):
+        for row, req, tok, lp in zip(rows, reqs, map(int, host[0].tolist()), host[1].tolist()):
             req.out_ids.append(tok)
             req.logprobs.append(lp)
             if req.future.done():

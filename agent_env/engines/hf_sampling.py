@@ -115,35 +115,43 @@ def make_request(
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]):
     """One token per row with per-row temperature/top-k/top-p and per-row generators.
 
-    Returns ``(tokens [B], logprobs [B])``; log-probs are under ``softmax(logits / T)`` over the
-    full vocabulary (raw logits for greedy rows).
+    Returns ``(tokens [B], logprobs [B])`` on the logits' device; log-probs are under
+    ``softmax(logits / T)`` over the full vocabulary (raw logits for greedy rows). The work stays on
+    the logits' device (a GPU's [B, V] logits are not copied to the host); only each row's uniform
+    draw comes from its CPU generator, so a seed gives the same draw on any device.
     """
     b, v = logits.shape
+    dev = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     greedy = temps == 0
-    logp = torch.log_softmax(logits.cpu() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).to(dev)[:, None], dim=-1)
     tokens = logp.argmax(dim=-1)
     sample_rows = (~greedy).nonzero().flatten().tolist()
     if sample_rows:
-        sub = logp[sample_rows]
+        sub = logp[sample_rows] if len(sample_rows) < b else logp
         u = torch.stack([torch.rand((), generator=generators[i], dtype=torch.float64) for i in sample_rows]).float()
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else v for i in sample_rows])
-        top_p = torch.tensor([params[i].top_p for i in sample_rows], dtype=torch.float32)
-        if bool((top_k < v).any() or (top_p < 1).any()):
+        top_k = [params[i].top_k if params[i].top_k > 0 else v for i in sample_rows]
+        top_p = [params[i].top_p for i in sample_rows]
+        if min(top_k) < v or min(top_p) < 1:
             sorted_logp, order = sub.sort(dim=-1, descending=True)
             probs = sorted_logp.exp()
-            ranks = torch.arange(v)[None, :]
+            ranks = torch.arange(v, device=dev)[None, :]
             before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            keep = (ranks < top_k[:, None]) & ((before < top_p[:, None]) | (ranks == 0))
+            k = torch.tensor(top_k, device=dev)[:, None]
+            p = torch.tensor(top_p, dtype=torch.float32, device=dev)[:, None]
+            keep = (ranks < k) & ((before < p) | (ranks == 0))
             probs = torch.where(keep, probs, 0.0)
         else:
             order, probs = None, sub.exp()
         cdf = probs.cumsum(dim=-1)
-        target = (u * cdf[:, -1])[:, None]
+        target = (u.to(dev) * cdf[:, -1])[:, None]
         choice = torch.searchsorted(cdf, target, right=True).flatten()
         # Guard against float round-off at the top end: never pick a zero-probability token.
         last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
         choice = torch.minimum(choice, last_kept)
         picked = order.gather(1, choice[:, None]).flatten() if order is not None else choice
-        tokens[sample_rows] = picked
+        if len(sample_rows) < b:
+            tokens[sample_rows] = picked
+        else:
+            tokens = picked
     return tokens, logp.gather(1, tokens[:, None]).flatten()

@@ -284,6 +284,32 @@ def test_sampler_matches_distribution():
         assert freq[~keep].sum() == 0
 
 
+def test_sampler_leaves_the_logits_on_their_device():
+    """The [B, V] logits are never copied to the host (on a GPU that copy cost 10 ms of a 90 ms
+    decode step): only the sampled tokens and their log-probs leave the device, in the engine."""
+
+    class Spy(torch.Tensor):
+        moved: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist):
+                cls.moved.append(func.__name__)
+            if func is torch.Tensor.to and any(str(a) == "cpu" for a in [*args[1:], *(kwargs or {}).values()]):
+                cls.moved.append("to(cpu)")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    torch.manual_seed(0)
+    logits = (torch.randn(5, 40) * 2).as_subclass(Spy)
+    params = [SamplingParams(temperature=t, top_k=k) for t, k in ((1.0, -1), (0.0, -1), (0.7, 5), (1.0, 3), (0.0, -1))]
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    tokens, lps = sample(logits, params, gens)
+    assert Spy.moved == [], Spy.moved
+    plain = sample(logits.as_subclass(torch.Tensor), params, [torch.Generator().manual_seed(i) for i in range(5)])
+    assert torch.equal(tokens.as_subclass(torch.Tensor), plain[0])
+    assert torch.equal(lps.as_subclass(torch.Tensor), plain[1])
+
+
 def test_update_weights_copies_and_drops_stale_cache(tiny_model_dir, tiny_model_factory, prompts):
     trainer_model = tiny_model_factory()
     eng = HFEngine(trainer_model)  # a copy

@@ -1,0 +1,246 @@
+"""HFEngine's decode step against transformers ``generate`` and a bare decode loop, in one process.
+
+    .venv/bin/python benchmarks/bench_engine_decode.py                  # CPU: the built-in tiny policy
+    python benchmarks/bench_engine_decode.py --shape qwen3-0.6b         # a GPU: random Qwen3-0.6B shape
+    python benchmarks/bench_engine_decode.py --batch 16 --new 128 --out runs/bench_engine_decode.json
+
+The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exactly ``--new`` tokens
+(no stop) three ways, each timed after a warm-up:
+
+* ``generate``: ``model.generate(do_sample=True, top_k=0, min_new_tokens=max_new_tokens)``, the
+  reference;
+* ``bare``: a prefill, then one forward per token over a ``DynamicCache`` with the engine's call
+  (``logits_to_keep=1``) and ``torch.multinomial`` on the logits' device: the floor for a loop of
+  forwards in eager PyTorch;
+* ``engine``: :class:`agent_env.engines.hf.HFEngine` serving ``--batch`` concurrent ``generate``
+  calls (continuous batching, per-request generators, the worker thread); then once more with
+  device-synchronised timers around its forward and its sampling + bookkeeping, the rest being the
+  worker loop and the thread hop.
+
+It prints milliseconds per decode step (wall time / ``--new``) and the ratios to ``generate``, and
+the engine's sampling alone on the same logits: on their device, and copied to the host first (what
+the engine did before 2026-12-04). Figures: [docs/results.md](../docs/results.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+QWEN3_0_6B = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if shape == "tiny":
+        from otb_tir.defaults.tiny import tiny_policy_dir
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_policy_dir(), dtype=dtype)
+    else:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def time_generate(model, prompts: torch.Tensor, new: int) -> float:
+    mask = torch.ones_like(prompts)
+    t0 = time.perf_counter()
+    out = model.generate(
+        input_ids=prompts,
+        attention_mask=mask,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        pad_token_id=0,
+    )
+    _sync(prompts.device)
+    assert out.shape[1] == prompts.shape[1] + new, out.shape
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def time_bare(model, prompts: torch.Tensor, new: int) -> float:
+    from transformers import DynamicCache
+
+    b, p = prompts.shape
+    dev = prompts.device
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    mask = torch.ones(b, p, dtype=torch.long, device=dev)
+    pos = torch.arange(p, device=dev)[None].expand(b, -1)
+    out = model(input_ids=prompts, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1)
+    nxt = torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
+    for i in range(new - 1):
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
+        out = model(
+            input_ids=nxt,
+            attention_mask=mask,
+            position_ids=torch.full((b, 1), p + i, device=dev),
+            past_key_values=out.past_key_values,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        nxt = torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
+        nxt.tolist()  # the engine needs each row's token on the host every step
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
+def time_engine(engine, prompts: torch.Tensor, new: int) -> tuple[float, dict[str, Any]]:
+    from agent_env.engines.base import SamplingParams
+
+    async def go():
+        params = SamplingParams(max_tokens=new, temperature=1.0)
+        outs = await asyncio.gather(*(engine.generate(row, params) for row in prompts.tolist()))
+        assert all(len(o.token_ids) == new for o in outs), [len(o.token_ids) for o in outs]
+
+    before = dict(engine.stats)
+    t0 = time.perf_counter()
+    asyncio.run(go())
+    dt = time.perf_counter() - t0
+    return dt, {k: engine.stats[k] - before.get(k, 0) for k in engine.stats}
+
+
+def profile_engine(engine, prompts: torch.Tensor, new: int) -> dict[str, float]:
+    """The engine again, with device-synchronised timers around its forward and its sampling and
+    bookkeeping (``_accept``); the rest of the wall time is the worker loop and the thread hop."""
+    dev = prompts.device
+    acc = {"forward_s": 0.0, "accept_s": 0.0}
+
+    def timed(name: str, key: str):
+        fn = getattr(engine, name)
+
+        def wrapper(*a, **k):
+            _sync(dev)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            _sync(dev)
+            acc[key] += time.perf_counter() - t0
+            return out
+
+        setattr(engine, name, wrapper)
+
+    timed("_forward", "forward_s")
+    timed("_accept", "accept_s")
+    try:
+        wall, _ = time_engine(engine, prompts, new)
+    finally:
+        del engine._forward, engine._accept  # back to the class's methods
+    return {"wall_s": wall, **acc, "other_s": wall - acc["forward_s"] - acc["accept_s"]}
+
+
+def time_sampling(logits: torch.Tensor, reps: int) -> dict[str, float]:
+    from agent_env.engines.base import SamplingParams
+    from agent_env.engines.hf_sampling import sample
+
+    params = [SamplingParams(max_tokens=1, temperature=1.0)] * logits.shape[0]
+    gens = [torch.Generator().manual_seed(i) for i in range(logits.shape[0])]
+    out = {}
+    for name, src in (("on_device", lambda: logits), ("via_host", lambda: logits.cpu())):
+        sample(src(), params, gens)
+        _sync(logits.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            tok, lp = sample(src(), params, gens)
+            torch.stack([tok.double(), lp.double()]).cpu()
+        out[name + "_ms"] = (time.perf_counter() - t0) / reps * 1e3
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from agent_env.engines.hf import HFEngine
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["tiny", "qwen3-0.6b"], default=None, help="default: tiny on CPU, else 0.6B")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shape = a.shape or ("tiny" if device.type == "cpu" else "qwen3-0.6b")
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    model = build_model(shape, device, dtype)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, vocab, (a.batch, a.prompt), generator=g).to(device)
+    engine = HFEngine(model, device=device, share_weights=True, stop_at_eos=False, max_batch_size=a.batch, seed=0)
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": shape,
+        "dtype": str(dtype),
+        "batch": a.batch,
+        "prompt": a.prompt,
+        "new": a.new,
+    }
+    warm = min(a.new, 8)
+    time_generate(model, prompts, warm), time_bare(model, prompts, warm), time_engine(engine, prompts, warm)
+    res["generate_s"] = time_generate(model, prompts, a.new)
+    res["bare_s"] = time_bare(model, prompts, a.new)
+    res["engine_s"], res["engine_stats"] = time_engine(engine, prompts, a.new)
+    res["engine_profile"] = profile_engine(engine, prompts, a.new)
+    with torch.no_grad():
+        logits = model(input_ids=prompts, logits_to_keep=1).logits[:, -1].float()
+    res["sampling"] = time_sampling(logits, reps=20)
+    ms = {k: res[k + "_s"] / a.new * 1e3 for k in ("generate", "bare", "engine")}
+    res["ms_per_step"] = ms
+    print(
+        f"{res['device']} (torch {res['torch']}), {shape} {dtype}, batch {a.batch}, prompt {a.prompt}, "
+        f"{a.new} new tokens"
+    )
+    print(f"{'path':<10} {'ms/step':>8} {'vs generate':>12}")
+    for k, v in ms.items():
+        print(f"{k:<10} {v:8.2f} {v / ms['generate']:11.2f}x")
+    pr = res["engine_profile"]
+    print(
+        "engine, timed with device syncs (ms/step): "
+        + ", ".join(f"{k[:-2]} {v / a.new * 1e3:.2f}" for k, v in pr.items())
+    )
+    s = res["sampling"]
+    print(
+        f"sampling {a.batch} x {vocab} logits: on their device {s['on_device_ms']:.2f} ms, "
+        f"via the host {s['via_host_ms']:.2f} ms"
+    )
+    out = Path(a.out or ROOT / "runs" / "bench_engine_decode.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
