@@ -12,6 +12,9 @@ The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exact
 * ``bare``: a prefill, then one forward per token over a ``DynamicCache`` with the engine's call
   (``logits_to_keep=1``) and ``torch.multinomial`` on the logits' device: the floor for a loop of
   forwards in eager PyTorch;
+* ``bare_thread``, ``bare_to_thread``: the same loop in one other thread, and with each step sent
+  through ``asyncio.to_thread`` as the engine sends its steps (so a thread's cost shows apart from
+  the engine's own);
 * ``engine``: :class:`agent_env.engines.hf.HFEngine` serving ``--batch`` concurrent ``generate``
   calls (continuous batching, per-request generators, the worker thread); then once more with
   device-synchronised timers around its forward and its sampling + bookkeeping, the rest being the
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -89,30 +93,57 @@ def time_generate(model, prompts: torch.Tensor, new: int) -> float:
     return time.perf_counter() - t0
 
 
-@torch.no_grad()
-def time_bare(model, prompts: torch.Tensor, new: int) -> float:
+def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main") -> float:
+    """``where``: ``main`` (this thread), ``thread`` (the whole loop in one other thread),
+    ``to_thread`` (each step through ``asyncio.to_thread``, as the engine runs its steps)."""
     from transformers import DynamicCache
 
     b, p = prompts.shape
     dev = prompts.device
-    t0 = time.perf_counter()
-    cache = DynamicCache(config=model.config)
-    mask = torch.ones(b, p, dtype=torch.long, device=dev)
-    pos = torch.arange(p, device=dev)[None].expand(b, -1)
-    out = model(input_ids=prompts, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1)
-    nxt = torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
-    for i in range(new - 1):
-        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
+    st: dict[str, Any] = {"mask": torch.ones(b, p, dtype=torch.long, device=dev)}
+
+    @torch.no_grad()
+    def first() -> None:
+        pos = torch.arange(p, device=dev)[None].expand(b, -1)
+        cache = DynamicCache(config=model.config)
         out = model(
-            input_ids=nxt,
-            attention_mask=mask,
+            input_ids=prompts, attention_mask=st["mask"], position_ids=pos, past_key_values=cache, logits_to_keep=1
+        )
+        st["cache"], st["next"] = out.past_key_values, torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
+
+    @torch.no_grad()
+    def step(i: int) -> None:
+        st["mask"] = torch.cat([st["mask"], torch.ones(b, 1, dtype=torch.long, device=dev)], dim=1)
+        out = model(
+            input_ids=st["next"],
+            attention_mask=st["mask"],
             position_ids=torch.full((b, 1), p + i, device=dev),
-            past_key_values=out.past_key_values,
+            past_key_values=st["cache"],
             use_cache=True,
             logits_to_keep=1,
         )
-        nxt = torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
-        nxt.tolist()  # the engine needs each row's token on the host every step
+        st["cache"], st["next"] = out.past_key_values, torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
+        st["next"].tolist()  # the engine needs each row's token on the host every step
+
+    def loop() -> None:
+        first()
+        for i in range(new - 1):
+            step(i)
+
+    async def hops() -> None:
+        await asyncio.to_thread(first)
+        for i in range(new - 1):
+            await asyncio.to_thread(step, i)
+
+    t0 = time.perf_counter()
+    if where == "main":
+        loop()
+    elif where == "thread":
+        t = threading.Thread(target=loop)
+        t.start()
+        t.join()
+    else:
+        asyncio.run(hops())
     _sync(dev)
     return time.perf_counter() - t0
 
@@ -211,20 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     time_generate(model, prompts, warm), time_bare(model, prompts, warm), time_engine(engine, prompts, warm)
     res["generate_s"] = time_generate(model, prompts, a.new)
     res["bare_s"] = time_bare(model, prompts, a.new)
+    res["bare_thread_s"] = time_bare(model, prompts, a.new, "thread")
+    res["bare_to_thread_s"] = time_bare(model, prompts, a.new, "to_thread")
     res["engine_s"], res["engine_stats"] = time_engine(engine, prompts, a.new)
     res["engine_profile"] = profile_engine(engine, prompts, a.new)
     with torch.no_grad():
         logits = model(input_ids=prompts, logits_to_keep=1).logits[:, -1].float()
     res["sampling"] = time_sampling(logits, reps=20)
-    ms = {k: res[k + "_s"] / a.new * 1e3 for k in ("generate", "bare", "engine")}
+    ms = {k: res[k + "_s"] / a.new * 1e3 for k in ("generate", "bare", "bare_thread", "bare_to_thread", "engine")}
     res["ms_per_step"] = ms
     print(
         f"{res['device']} (torch {res['torch']}), {shape} {dtype}, batch {a.batch}, prompt {a.prompt}, "
         f"{a.new} new tokens"
     )
-    print(f"{'path':<10} {'ms/step':>8} {'vs generate':>12}")
+    print(f"{'path':<15} {'ms/step':>8} {'vs generate':>12}")
     for k, v in ms.items():
-        print(f"{k:<10} {v:8.2f} {v / ms['generate']:11.2f}x")
+        print(f"{k:<15} {v:8.2f} {v / ms['generate']:11.2f}x")
     pr = res["engine_profile"]
     print(
         "engine, timed with device syncs (ms/step): "
