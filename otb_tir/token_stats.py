@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "TokenStats",
     "sum_pi_squared_from_logits",
+    "chunk_at_most",
     "token_stats_from_logits",
     "token_stats_from_hidden",
     "token_stats_for_causal_lm",
@@ -77,6 +78,12 @@ def _check_temperature(temperature: float) -> float:
     if not math.isfinite(t) or t <= 0:
         raise ConfigError(f"temperature must be a positive finite number, got {temperature!r}")
     return t
+
+
+def chunk_at_most(tokens: int, vocab: int) -> int:
+    """``tokens`` per chunk, fewer where a ``[chunk, V]`` float32 buffer would pass
+    :data:`DEFAULT_CHUNK_BYTES` (the trainer's rule: 512 tokens up to V = 32,768, 110 at 151,936)."""
+    return max(1, min(tokens, DEFAULT_CHUNK_BYTES // (4 * max(vocab, 1))))
 
 
 def _resolve_chunk(chunk: int | None, vocab: int) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from otb_tir.token_stats import TokenStats, token_stats_for_causal_lm
+from otb_tir.token_stats import TokenStats, chunk_at_most, token_stats_for_causal_lm
 from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import ppo_policy_loss
 
@@ -79,7 +79,9 @@ def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, gra
         attn[:, lo:hi].to(device),
         batch["position_ids"][rows][:, lo:hi].to(device),
     )
-    kw = dict(response_length=r, temperature=s.temperature, fused=s.fused_token_stats, chunk=s.token_stats_chunk)
+    lm = model.model if isinstance(model, TokenStatsModule) else model
+    chunk = chunk_at_most(s.token_stats_chunk, lm.get_output_embeddings().weight.shape[0])
+    kw = dict(response_length=r, temperature=s.temperature, fused=s.fused_token_stats, chunk=chunk)
     with _autocast(device, s.autocast_dtype):
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
             st = TokenStats(*model(*args, **kw))

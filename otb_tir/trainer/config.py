@@ -103,7 +103,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  # weight of the KL loss
     entropy_coeff: float = 0.0  # entropy bonus weight
     fused_token_stats: bool = True  # Σπ² / log-probs from hidden states, never the [T, V] logits
-    token_stats_chunk: int = 512  # tokens per chunk when computing log-probs / entropy / Σπ²
+    token_stats_chunk: int = 512  # tokens per chunk of log-probs / entropy / Σπ², at most ([chunk, V] fp32 ≤ 64 MiB)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

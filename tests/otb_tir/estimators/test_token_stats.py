@@ -15,6 +15,7 @@ from otb_tir import ConfigError
 from otb_tir.token_stats import (
     DEFAULT_CHUNK_BYTES,
     TokenStats,
+    chunk_at_most,
     sum_pi_squared_from_logits,
     token_stats_for_causal_lm,
     token_stats_from_hidden,
@@ -146,6 +147,52 @@ def test_default_chunk_and_chunk_larger_than_tokens():
     for chunk in (None, 5, 6, 1000):
         assert_stats_close(token_stats_from_logits(logits, labels, chunk=chunk), want, atol=1e-12)
     assert DEFAULT_CHUNK_BYTES // (4 * 151_936) == 110  # the documented default at Qwen's vocabulary
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.integers(1, 4096), vocab=st.integers(1, 300_000))
+def test_chunk_at_most_keeps_a_buffer_within_the_default_bytes(tokens, vocab):
+    c = chunk_at_most(tokens, vocab)
+    assert 1 <= c <= tokens
+    assert c == 1 or 4 * c * vocab <= DEFAULT_CHUNK_BYTES
+    assert c == tokens or 4 * (c + 1) * vocab > DEFAULT_CHUNK_BYTES  # no smaller than it must be
+    if vocab <= 32_768:
+        assert c == min(tokens, 512) or tokens > 512
+
+
+def test_the_actor_caps_its_chunk_at_a_large_vocabulary(monkeypatch):
+    """actor.token_stats_chunk = 512 is a ceiling: at V = 151,936 the actor's chunk is 110 tokens
+    (a [512, V] float32 buffer is 311 MB; on an H200 the fused path's peak was 2 GiB above the
+    unfused one's with 512), while the tiny policy's vocabulary keeps 512."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import otb_tir.trainer.actor as actor
+
+    seen = []
+    real = actor.token_stats_for_causal_lm
+
+    def spy(*a, **k):
+        seen.append(k["chunk"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(actor, "token_stats_for_causal_lm", spy)
+    torch.manual_seed(0)
+    for vocab, want in ((151_936, 110), (3072, 512)):
+        cfg = Qwen3Config(
+            vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=4, tie_word_embeddings=True,
+        )  # fmt: skip
+        model = Qwen3ForCausalLM(cfg)
+        ids = torch.randint(0, vocab, (2, 7))
+        batch = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(7).expand(2, -1),
+            "responses": ids[:, 3:],
+            "response_mask": torch.ones(2, 4),
+        }
+        out = actor.compute_old_stats(model, batch, actor.ActorSettings(ppo_micro_batch_size=2))
+        assert seen[-1] == want and out["sum_pi_squared"].shape == (2, 4)
 
 
 # ------------------------------------------------------------------------------ gradients
