@@ -219,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = a.shape or ("tiny" if device.type == "cpu" else "qwen3-0.6b")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -232,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "shape": shape,
         "dtype": str(dtype),
         "batch": a.batch,
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     res["ms_per_step"] = ms
     print(
         f"{res['device']} (torch {res['torch']}), {shape} {dtype}, batch {a.batch}, prompt {a.prompt}, "
-        f"{a.new} new tokens"
+        f"{a.new} new tokens, {torch.get_num_threads()} torch threads"
     )
     print(f"{'path':<15} {'ms/step':>8} {'vs generate':>12}")
     for k, v in ms.items():

@@ -12,8 +12,11 @@ requests into one running batch that shares forward passes:
 * a request that continues a finished one (the next turn of a multi-turn episode: the same tokens,
   the sampled turn, then the tool's answer) is prefilled on that request's kept keys/values, so only
   its new tokens go through the model (:class:`~agent_env.engines.hf_batch.PrefixCache`);
-* the torch work runs in a worker thread (``asyncio.to_thread``), so tool calls of other episodes
-  run while the model computes.
+* on a GPU the torch work runs in a worker thread (``asyncio.to_thread``), so the event loop serves
+  other episodes' tool calls while the model computes; on the CPU each step runs on the event loop's
+  own thread and the loop serves them between steps (tools run in their own processes or threads
+  either way). A CPU forward in a second thread beside the caller's own OpenMP team took about
+  twice as long (``benchmarks/bench_engine_decode.py``), hence ``worker_thread``.
 
 Log-probs follow the Engine contract: ``log_softmax(logits / temperature)`` over the full
 vocabulary for the sampled token (top-k/top-p truncation only decides what can be sampled). For
@@ -46,6 +49,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "HFEngine"]
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+INLINE_YIELDS = 8  # event-loop iterations between two steps run on the loop's thread
 
 
 class HFEngine(RunningBatch):
@@ -70,6 +74,10 @@ class HFEngine(RunningBatch):
             of their conversation (None: 256 MiB; 0 = off: every request is prefilled from its
             first token).
             Dropped whenever the model's weights change (in place or by :meth:`update_weights`).
+        worker_thread: run each compute step and weight update in a worker thread (True) or on the
+            event loop's thread between its other callbacks (False). None: True on a GPU, False on
+            the CPU, where two threads running torch's OpenMP kernels slow the second one ~2×
+            (measured on 2 cores: a decode step 7.0 ms in a worker thread, 3.5 ms on the trainer's).
     """
 
     def __init__(
@@ -83,6 +91,7 @@ class HFEngine(RunningBatch):
         share_weights: bool = False,
         stop_at_eos: bool = True,
         prefix_cache_bytes: int | None = None,
+        worker_thread: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -125,6 +134,7 @@ class HFEngine(RunningBatch):
         self.max_batch_size = max_batch_size
         self.share_weights = share_weights
         self.device = next(model.parameters()).device
+        self.worker_thread = self.device.type != "cpu" if worker_thread is None else bool(worker_thread)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._eos_ids: frozenset[int] = frozenset(self._collect_eos_ids() if stop_at_eos else ())
         self._seed_rng = random.Random(seed) if seed is not None else None
@@ -183,7 +193,14 @@ class HFEngine(RunningBatch):
         dropped, and those requests are prefilled again (prompt + tokens so far) with the new ones.
         """
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-        await asyncio.to_thread(self._update_weights_sync, items)
+        await self._compute(self._update_weights_sync, items)
+
+    async def _compute(self, fn, *args) -> None:
+        """``fn(*args)`` in a worker thread, or here on the loop's thread (see ``worker_thread``)."""
+        if self.worker_thread:
+            await asyncio.to_thread(fn, *args)
+        else:
+            fn(*args)
 
     async def close(self) -> None:
         """Stop the worker; requests still in flight return with ``finish_reason="abort"``."""
@@ -235,9 +252,12 @@ class HFEngine(RunningBatch):
             if not self._waiting and not self._active:
                 self._wake.clear()
                 await self._wake.wait()
-            await asyncio.sleep(0)  # let callers scheduled in the same tick join this step
+            # Let callers scheduled in the same tick join this step. Inline, also let the loop run the
+            # episodes a few iterations further (tool replies in, next turns out) between steps.
+            for _ in range(1 if self.worker_thread else INLINE_YIELDS):
+                await asyncio.sleep(0)
             try:
-                await asyncio.to_thread(self._step)
+                await self._compute(self._step)
             except Exception as exc:  # noqa: BLE001 - report to every caller, keep serving
                 logger.exception("HFEngine step failed")
                 with self._lock:

@@ -556,3 +556,41 @@ def test_prefix_cache_takes_the_longest_strict_prefix_within_its_bytes(stored, p
         assert n == len(best) and kv[0][0].shape[2] == n and int(mask.sum()) == n
         assert len(cache) == len(kept) - (uses[best] == 1)
     assert cache.take(prompt, weights=1) is None and len(cache) == 0  # other weights: all stale
+
+
+@pytest.mark.parametrize("worker_thread", [None, True])
+def test_steps_run_on_the_loops_thread_on_cpu_and_the_loop_still_serves_others(tiny_model_dir, prompts, worker_thread):
+    """On the CPU (default) each step runs on the event loop's thread: one OpenMP team with the
+    caller's torch work. Either way other coroutines (a tool's reply, a next turn) progress while a
+    long generation runs, and greedy outputs are the same."""
+    import threading
+
+    eng = HFEngine(tiny_model_dir, max_batch_size=8, worker_thread=worker_thread)
+    assert eng.worker_thread is (worker_thread is True)
+    threads: set[int] = set()
+    hook = eng.model.register_forward_hook(lambda *_: threads.add(threading.get_ident()))
+
+    async def go():
+        ticks = []
+
+        async def other():  # another episode's work on the loop: many short awaits
+            for _ in range(20):
+                await asyncio.sleep(0)
+                ticks.append(eng.stats["steps"])
+
+        long = asyncio.create_task(eng.generate(prompts[0], SamplingParams(max_tokens=40, temperature=0.0)))
+        await asyncio.sleep(0)
+        await other()
+        out = await long
+        await eng.close()
+        return out, ticks
+
+    out, ticks = run(go())
+    hook.remove()
+    loop_thread = threading.get_ident()  # asyncio.run runs the loop on this thread
+    assert (threads == {loop_thread}) is (worker_thread is None), threads
+    assert len(out.token_ids) == 40
+    assert ticks[-1] < 40  # the other coroutine finished while the generation was still running
+    ref = HFEngine(tiny_model_dir, worker_thread=True)
+    assert run(ref.generate(prompts[0], SamplingParams(max_tokens=40, temperature=0.0))).token_ids == out.token_ids
+    run(ref.close())
