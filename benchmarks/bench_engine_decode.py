@@ -38,21 +38,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from otb_tir.defaults.tiny import QWEN3_0_6B
 
-QWEN3_0_6B = dict(
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sync(device: torch.device) -> None:

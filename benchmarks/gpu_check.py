@@ -35,22 +35,11 @@ from typing import Any
 
 import torch
 
+from otb_tir.defaults.tiny import QWEN3_0_6B
+
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: runs/ go here
 log = logging.getLogger("gpu_check")
 
-QWEN3_0_6B = dict(
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-)
 SMOKE = dict(
     hidden_size=64,
     num_hidden_layers=2,
