@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from otb_tir.defaults.tiny import QWEN3_0_6B
+from otb_tir.defaults.shapes import QWEN3_0_6B
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -43,22 +43,6 @@ MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respo
 
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
-#: ``transformers.Qwen3Config`` keywords of Qwen3-0.6B's shape, for random-weight GPU checks and
-#: benchmarks (``benchmarks/gpu_check.py``, ``benchmarks/bench_engine_decode.py``): nothing is downloaded.
-QWEN3_0_6B = dict(
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-)
-
 # Pre-tokenization in the GPT-4/Qwen2 spirit: contractions, letter runs with one leading
 # non-letter, single digits (helps arithmetic), punctuation runs, newlines, spaces.
 _SPLIT_PATTERN = (
