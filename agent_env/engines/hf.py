@@ -77,7 +77,7 @@ class HFEngine(RunningBatch):
         worker_thread: run each compute step and weight update in a worker thread (True) or on the
             event loop's thread between its other callbacks (False). None: True on a GPU, False on
             the CPU, where two threads running torch's OpenMP kernels slow the second one ~2×
-            (measured on 2 cores: the same decode step 4.2 ms on the caller's thread, 7.0 ms through
+            (recorded on 2 cores: the same decode step 3.8 ms on the caller's thread, 7.5 ms through
             ``asyncio.to_thread``).
     """
 
