@@ -5,7 +5,7 @@
     python benchmarks/bench_engine_decode.py --batch 16 --new 128 --out runs/bench_engine_decode.json
 
 The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exactly ``--new`` tokens
-(no stop) three ways, each timed after a warm-up:
+(no stop) these ways, each timed after a warm-up:
 
 * ``generate``: ``model.generate(do_sample=True, top_k=0, min_new_tokens=max_new_tokens)``, the
   reference;
@@ -16,9 +16,9 @@ The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exact
   through ``asyncio.to_thread`` as the engine sends its steps (so a thread's cost shows apart from
   the engine's own);
 * ``engine``: :class:`agent_env.engines.hf.HFEngine` serving ``--batch`` concurrent ``generate``
-  calls (continuous batching, per-request generators, the worker thread); then once more with
-  device-synchronised timers around its forward and its sampling + bookkeeping, the rest being the
-  worker loop and the thread hop.
+  calls (continuous batching, per-request generators; its steps on the caller's thread on the CPU,
+  in a worker thread on a GPU); then once more with device-synchronised timers around its forward
+  and its sampling + bookkeeping, the rest being its serve loop (and the thread hop, if any).
 
 It prints milliseconds per decode step (wall time / ``--new``) and the ratios to ``generate``, and
 the engine's sampling alone on the same logits: on their device, and copied to the host first (what
@@ -153,7 +153,7 @@ def time_engine(engine, prompts: torch.Tensor, new: int) -> tuple[float, dict[st
 
 def profile_engine(engine, prompts: torch.Tensor, new: int) -> dict[str, float]:
     """The engine again, with device-synchronised timers around its forward and its sampling and
-    bookkeeping (``_accept``); the rest of the wall time is the worker loop and the thread hop."""
+    bookkeeping (``_accept``); the rest of the wall time is its serve loop (and the thread hop, if any)."""
     dev = prompts.device
     acc = {"forward_s": 0.0, "accept_s": 0.0}
 
