@@ -264,6 +264,7 @@ def run_check(args) -> dict[str, Any]:
         info["step"]["step_tokens_per_s"] = total / step_s
         info["step"]["policy_tokens_mean"] = m.get("response/policy_tokens_mean")
         info["step"]["grad_norm"] = m.get("actor/grad_norm")
+        info["step"]["one_forward"] = m.get("actor/one_forward")  # 1: old stats from the update's forward
         info["step"]["finish"] = {k: v for k, v in m.items() if k.startswith("finish/")}
         batch = dict(tensors)
         batch["uid"] = res.batch["uid"]

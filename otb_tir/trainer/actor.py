@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ class ActorSettings:
     grad_clip: float = 1.0
     kl_loss_coef: float = 0.0  # 0 = no KL loss (the config's kl_loss_coef applies when actor.use_kl_loss)
     entropy_coeff: float = 0.0
+    reuse_update_forward: bool = True  # on-policy steps: old stats from the update's forward (one_forward_applies)
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on devices that support it
 
 
@@ -109,6 +111,87 @@ def compute_old_stats(model, batch: dict, s: ActorSettings) -> dict[str, torch.T
     return {k: torch.cat(v) * mask if v else torch.zeros_like(mask) for k, v in out.items()}
 
 
+def _global_tokens(mask: torch.Tensor, world: int, device: torch.device) -> float:
+    """The mask = 1 count of a mini-batch over all ranks (at least 1): the token-mean's denominator."""
+    num_tokens = mask.sum().to(torch.float64)
+    if world > 1:
+        num_tokens = num_tokens.to(device)
+        dist.all_reduce(num_tokens)
+        num_tokens = num_tokens.cpu()
+    return float(num_tokens.clamp_min(1.0))
+
+
+class _Sums:
+    """The update's metrics, summed over micro-batches and mini-batches, reduced over ranks at the end."""
+
+    def __init__(self) -> None:
+        # loss terms: each micro-batch value is its share of the (rank-scaled) mini-batch token-mean → summed
+        self.loss = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0}
+        self.means = {"actor/clip_frac": 0.0, "actor/ppo_kl": 0.0}
+        self.grad_norm = 0.0
+        self.n_micro = 0
+
+    def micro_backward(
+        self,
+        st: TokenStats,
+        batch: dict,
+        mrows: torch.Tensor | slice,
+        s: ActorSettings,
+        ref_log_probs: torch.Tensor | None,
+        num_tokens: float,
+        world: int,
+        device: torch.device,
+    ) -> None:
+        """The PPO loss of micro-batch ``mrows`` on its token statistics ``st``, backward, summed."""
+        out = ppo_policy_loss(
+            st.log_probs.float(),
+            batch["old_log_probs"][mrows].to(device),
+            batch["advantages"][mrows].to(device),
+            batch["loss_mask"][mrows].to(device),
+            clip_ratio_low=s.clip_ratio_low,
+            clip_ratio_high=s.clip_ratio_high,
+            clip_ratio_c=s.clip_ratio_c,
+            ref_log_probs=None if ref_log_probs is None else ref_log_probs[mrows].to(device),
+            kl_coef=s.kl_loss_coef,
+            entropy=st.entropy.float(),
+            entropy_coef=s.entropy_coeff,
+            num_tokens=num_tokens / world,  # FSDP averages gradients over ranks: × world undoes it
+        )
+        out.loss.backward()
+        self.loss["actor/pg_loss"] += float(out.pg_loss)
+        self.loss["actor/entropy"] += float(out.entropy)
+        self.loss["actor/kl_loss"] += float(out.kl_loss)
+        self.means["actor/clip_frac"] += float(out.clip_frac)
+        self.means["actor/ppo_kl"] += float(out.approx_kl)
+        self.n_micro += 1
+
+    def optimizer_step(self, model, optimizer, s: ActorSettings) -> None:
+        """Clip the gradient norm and step (skipped when the norm is not finite)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: already the global norm
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if torch.isfinite(torch.tensor(grad_norm)):
+            optimizer.step()
+        self.grad_norm += grad_norm
+
+    def metrics(self, n_mini: int, world: int, device: torch.device) -> dict[str, float]:
+        keys = [*self.loss, *self.means]
+        vals = torch.tensor([*self.loss.values(), *self.means.values(), float(self.n_micro)], dtype=torch.float64)
+        if world > 1:
+            vals = vals.to(device)
+            dist.all_reduce(vals)
+            vals = vals.cpu()
+        n_mini = max(n_mini, 1)
+        total_micro = max(float(vals[-1]), 1.0)
+        metrics = {}
+        for i, k in enumerate(keys):
+            # a rank's summed loss terms are world × its share of the global token-mean (num_tokens / world)
+            metrics[k] = float(vals[i]) / world / n_mini if k in self.loss else float(vals[i]) / total_micro
+        metrics["actor/grad_norm"] = self.grad_norm / n_mini
+        return metrics
+
+
 def ppo_update(
     model,
     optimizer,
@@ -128,20 +211,10 @@ def ppo_update(
     model.train()
     world = _world()
     device = next(model.parameters()).device
-    # loss terms: each micro-batch value is its share of the (rank-scaled) mini-batch token-mean → summed
-    loss_sums = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0}
-    mean_sums = {"actor/clip_frac": 0.0, "actor/ppo_kl": 0.0}
-    grad_norm_sum = 0.0
-    n_micro = 0
+    sums = _Sums()
     sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: reduce gradients once per mini-batch
     for rows in mini_batches:
-        mask = batch["loss_mask"][rows]
-        num_tokens = mask.sum().to(torch.float64)
-        if world > 1:
-            num_tokens = num_tokens.to(device)
-            dist.all_reduce(num_tokens)
-            num_tokens = num_tokens.cpu()
-        num_tokens = float(num_tokens.clamp_min(1.0))
+        num_tokens = _global_tokens(batch["loss_mask"][rows], world, device)
         optimizer.zero_grad(set_to_none=True)
         starts = list(range(0, len(rows), s.ppo_micro_batch_size))
         for j in starts:
@@ -149,45 +222,52 @@ def ppo_update(
                 sync(j == starts[-1])
             mrows = rows[j : j + s.ppo_micro_batch_size]
             st = _stats(model, batch, mrows, s, grad=True)
-            out = ppo_policy_loss(
-                st.log_probs.float(),
-                batch["old_log_probs"][mrows].to(device),
-                batch["advantages"][mrows].to(device),
-                batch["loss_mask"][mrows].to(device),
-                clip_ratio_low=s.clip_ratio_low,
-                clip_ratio_high=s.clip_ratio_high,
-                clip_ratio_c=s.clip_ratio_c,
-                ref_log_probs=None if ref_log_probs is None else ref_log_probs[mrows].to(device),
-                kl_coef=s.kl_loss_coef,
-                entropy=st.entropy.float(),
-                entropy_coef=s.entropy_coeff,
-                num_tokens=num_tokens / world,  # FSDP averages gradients over ranks: × world undoes it
-            )
-            out.loss.backward()
-            loss_sums["actor/pg_loss"] += float(out.pg_loss)
-            loss_sums["actor/entropy"] += float(out.entropy)
-            loss_sums["actor/kl_loss"] += float(out.kl_loss)
-            mean_sums["actor/clip_frac"] += float(out.clip_frac)
-            mean_sums["actor/ppo_kl"] += float(out.approx_kl)
-            n_micro += 1
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: already the global norm
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if torch.isfinite(torch.tensor(grad_norm)):
-            optimizer.step()
-        grad_norm_sum += grad_norm
-    keys = [*loss_sums, *mean_sums]
-    vals = torch.tensor([*loss_sums.values(), *mean_sums.values(), float(n_micro)], dtype=torch.float64)
-    if world > 1:
-        vals = vals.to(device)
-        dist.all_reduce(vals)
-        vals = vals.cpu()
-    n_mini = max(len(mini_batches), 1)
-    total_micro = max(float(vals[-1]), 1.0)
-    metrics = {}
-    for i, k in enumerate(keys):
-        # a rank's summed loss terms are world × its share of the global token-mean (num_tokens / world)
-        metrics[k] = float(vals[i]) / world / n_mini if k in loss_sums else float(vals[i]) / total_micro
-    metrics["actor/grad_norm"] = grad_norm_sum / n_mini
-    return metrics
+            sums.micro_backward(st, batch, mrows, s, ref_log_probs, num_tokens, world, device)
+        sums.optimizer_step(model, optimizer, s)
+    return sums.metrics(len(mini_batches), world, device)
+
+
+def one_forward_applies(s: ActorSettings, rows: int, rows_per_mini: int, epochs: int) -> bool:
+    """Whether a step can take its old statistics from the update's own forward
+    (:func:`on_policy_update`): ``actor.reuse_update_forward`` is on, one epoch, one mini-batch
+    (one optimizer step) and one micro-batch holding all ``rows`` of this rank."""
+    return s.reuse_update_forward and epochs == 1 and rows_per_mini >= rows and s.ppo_micro_batch_size >= rows
+
+
+def on_policy_update(
+    model,
+    optimizer,
+    batch: dict,
+    s: ActorSettings,
+    advantages_fn: Callable[[dict], None],
+    ref_log_probs: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """One optimizer step over the whole batch in a single forward, exactly on-policy.
+
+    The forward's log-probs, entropy and Σπ² (detached, × the response mask) are the old ones: they
+    are written to ``batch`` as :func:`compute_old_stats` would write them, then
+    ``advantages_fn(batch)`` sets ``batch["advantages"]`` and ``batch["loss_mask"]`` from them, and
+    the loss, backward and optimizer step follow on the same forward. The separate old-log-prob pass
+    is skipped: its values are the same forward's (the ratio is exactly 1, as TRL's with
+    ``num_iterations=1``). Only for one epoch, one mini-batch and one micro-batch
+    (:func:`one_forward_applies`); under FSDP every rank calls it on its own rows.
+    """
+    model.train()
+    world = _world()
+    device = next(model.parameters()).device
+    sums = _Sums()
+    rows = torch.arange(batch["responses"].shape[0])
+    optimizer.zero_grad(set_to_none=True)
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    if sync is not None:
+        sync(True)
+    st = _stats(model, batch, rows, s, grad=True)
+    mask = batch["response_mask"].float()
+    batch["old_log_probs"] = st.log_probs.detach().float().cpu() * mask
+    batch["entropy"] = st.entropy.detach().float().cpu() * mask
+    batch["sum_pi_squared"] = st.sum_pi_squared.detach().float().cpu() * mask
+    advantages_fn(batch)
+    num_tokens = _global_tokens(batch["loss_mask"], world, device)
+    sums.micro_backward(st, batch, rows, s, ref_log_probs, num_tokens, world, device)
+    sums.optimizer_step(model, optimizer, s)
+    return sums.metrics(1, world, device)

@@ -31,7 +31,7 @@ from agent_env.rollout import run_sync
 from otb_tir import ConfigError
 from otb_tir.advantage import place_reward_on_last_policy_token
 from otb_tir.metrics import advantage_stats, trajectory_metrics, variance_proxy_metrics
-from otb_tir.trainer.actor import compute_old_stats, ppo_update
+from otb_tir.trainer.actor import compute_old_stats, on_policy_update, one_forward_applies, ppo_update
 from otb_tir.trainer.checkpoint import (
     load_distributed_state,
     load_latest,
@@ -244,45 +244,61 @@ class Trainer:
             batch = self.batch = self._rollout(items, s.n, seed=s.seed * 1_000_003 + self.step, offset=offset)
         timer.seconds.update(rollout_phases(batch.stats, timer.seconds["timing/rollout_s"]))
 
-        with timer("old_log_prob"):  # log-prob, entropy and Σπ², one pass
-            tensors = dict(batch.tensors)
-            tensors.update(compute_old_stats(self.model, tensors, s.actor))
+        tensors = dict(batch.tensors)
+        rows = tensors["responses"].shape[0]
+        per_mini = s.ppo_mini_batch_size * s.n // self.world
+        one_forward = one_forward_applies(s.actor, rows, per_mini, s.ppo_epochs)
         ref = None
         with timer("ref"):
             if self.ref_model is not None and s.actor.kl_loss_coef > 0:
                 ref = compute_old_stats(self.ref_model, tensors, s.actor)["old_log_probs"]
 
-        with timer("advantage"):
-            mask = tensors["response_mask"].float()
-            rewards = place_reward_on_last_policy_token(tensors["token_level_rewards"], mask)
-            is_weights = None
-            if s.rollout_is:
-                is_weights = truncated_is_weights(
-                    tensors["old_log_probs"], tensors["rollout_log_probs"], mask, s.rollout_is_threshold
-                )
-            advantages, returns = self.estimator(
-                token_level_rewards=rewards,
-                response_mask=mask,
-                index=batch["uid"],
-                old_log_probs=tensors["old_log_probs"],
-                sum_pi_squared=tensors["sum_pi_squared"],
-                rollout_is_weights=is_weights,
-                handle_zero_tail=s.handle_zero_tail,
-                norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo,
-            )
-            loss_mask, filter_metrics = filter_loss_mask(batch, s.filters)
-            tensors["advantages"] = advantages.float() * loss_mask
-            tensors["loss_mask"] = loss_mask
+        is_weights: torch.Tensor | None = None
+        filter_metrics: dict[str, float] = {}
 
+        def advantages(t: dict) -> None:
+            """Reward placement, IS weights, the estimator and the filters on the old statistics."""
+            nonlocal is_weights, filter_metrics
+            with timer("advantage"):
+                mask = t["response_mask"].float()
+                rewards = place_reward_on_last_policy_token(t["token_level_rewards"], mask)
+                if s.rollout_is:
+                    is_weights = truncated_is_weights(
+                        t["old_log_probs"], t["rollout_log_probs"], mask, s.rollout_is_threshold
+                    )
+                adv, _returns = self.estimator(
+                    token_level_rewards=rewards,
+                    response_mask=mask,
+                    index=batch["uid"],
+                    old_log_probs=t["old_log_probs"],
+                    sum_pi_squared=t["sum_pi_squared"],
+                    rollout_is_weights=is_weights,
+                    handle_zero_tail=s.handle_zero_tail,
+                    norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo,
+                )
+                loss_mask, filter_metrics = filter_loss_mask(batch, s.filters)
+                t["advantages"] = adv.float() * loss_mask
+                t["loss_mask"] = loss_mask
+
+        if one_forward:  # exactly on-policy: the update's own forward gives the old statistics
+            with timer("update"):
+                actor_metrics = on_policy_update(self.model, self.optimizer, tensors, s.actor, advantages, ref)
+            timer.seconds["timing/update_s"] -= timer.seconds["timing/advantage_s"]
+            timer.seconds["timing/old_log_prob_s"] = 0.0  # no separate pass (the key stays, for readers)
+        else:
+            with timer("old_log_prob"):  # log-prob, entropy and Σπ², one pass
+                tensors.update(compute_old_stats(self.model, tensors, s.actor))
+            advantages(tensors)
+            with timer("update"):
+                g = torch.Generator().manual_seed(s.seed * 7919 + self.step)
+                actor_metrics = {}
+                for _ in range(s.ppo_epochs):
+                    perm = torch.randperm(rows, generator=g)
+                    minis = [perm[i : i + per_mini] for i in range(0, rows, per_mini)]
+                    actor_metrics = ppo_update(self.model, self.optimizer, tensors, minis, s.actor, ref)
+        actor_metrics["actor/one_forward"] = float(one_forward)
+        loss_mask = tensors["loss_mask"]
         with timer("update"):
-            rows = tensors["responses"].shape[0]
-            per_mini = s.ppo_mini_batch_size * s.n // self.world
-            g = torch.Generator().manual_seed(s.seed * 7919 + self.step)
-            actor_metrics: dict[str, float] = {}
-            for _ in range(s.ppo_epochs):
-                perm = torch.randperm(rows, generator=g)
-                minis = [perm[i : i + per_mini] for i in range(0, rows, per_mini)]
-                actor_metrics = ppo_update(self.model, self.optimizer, tensors, minis, s.actor, ref)
             if self.scheduler is not None:
                 self.scheduler.step()
 

@@ -192,6 +192,78 @@ def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
     torch.testing.assert_close(out[1][1], out[4][1], rtol=0, atol=1e-6)
 
 
+def test_one_forward_update_equals_the_two_pass_update(tiny_model_factory):
+    """on_policy_update (old statistics from the update's own forward) against the oracle, the two
+    passes it replaces: compute_old_stats, the TIR-OTB advantages on them, then ppo_update on one
+    mini-batch. The same old log-probs, Σπ² and advantages, the same update and metrics."""
+    from otb_tir.advantage import get_estimator
+    from otb_tir.trainer.actor import ActorSettings, compute_old_stats, on_policy_update, ppo_update
+
+    g = torch.Generator().manual_seed(0)
+    B, P, R = 6, 5, 12
+    ids = torch.randint(5, 1500, (B, P + R), generator=g)
+    mask = (torch.rand(B, R, generator=g) > 0.3).float()
+    rewards = torch.zeros(B, R)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(P + R).expand(B, -1),
+        "responses": ids[:, P:],
+        "response_mask": mask,
+        "token_level_rewards": rewards,
+    }
+    uid = ["a", "a", "a", "b", "b", "b"]
+    estimator = get_estimator("tir_optimal_token_baseline")
+    calls = []
+
+    def advantages(t):
+        calls.append(sorted(k for k in ("old_log_probs", "sum_pi_squared", "entropy") if k in t))
+        adv, _ = estimator(
+            token_level_rewards=t["token_level_rewards"],
+            response_mask=t["response_mask"],
+            index=uid,
+            old_log_probs=t["old_log_probs"],
+            sum_pi_squared=t["sum_pi_squared"],
+        )
+        t["advantages"], t["loss_mask"] = adv.float() * t["response_mask"], t["response_mask"]
+
+    s = ActorSettings(ppo_micro_batch_size=B, clip_ratio_c=3.0)
+    runs = {}
+    for way in ("two_pass", "one_forward"):
+        model = tiny_model_factory()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        t = dict(batch)
+        if way == "two_pass":
+            t.update(compute_old_stats(model, t, s))
+            advantages(t)
+            m = ppo_update(model, opt, t, [torch.arange(B)], s)
+        else:
+            m = on_policy_update(model, opt, t, s, advantages)
+        runs[way] = (t, m, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert calls == [["entropy", "old_log_probs", "sum_pi_squared"]] * 2  # the estimator saw the old stats
+    (t2, m2, w2), (t1, m1, w1) = runs["two_pass"], runs["one_forward"]
+    for key in ("old_log_probs", "sum_pi_squared", "entropy", "advantages"):
+        torch.testing.assert_close(t1[key], t2[key], rtol=0, atol=1e-6, msg=key)
+    assert t1["advantages"].abs().sum() > 0
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/clip_frac"):
+        assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
+    assert m1["actor/ppo_kl"] == 0.0  # the ratio is exactly 1: old and new are the same forward
+    assert not torch.equal(w1, torch.cat([p.detach().flatten() for p in tiny_model_factory().parameters()]))
+    torch.testing.assert_close(w1, w2, rtol=0, atol=1e-6)
+
+
+def test_one_forward_applies_only_to_exactly_on_policy_steps():
+    from otb_tir.trainer.actor import ActorSettings, one_forward_applies
+
+    s = ActorSettings(ppo_micro_batch_size=16)
+    assert one_forward_applies(s, rows=16, rows_per_mini=16, epochs=1)
+    assert not one_forward_applies(s, rows=16, rows_per_mini=16, epochs=2)  # a second epoch is off-policy
+    assert not one_forward_applies(s, rows=16, rows_per_mini=8, epochs=1)  # two optimizer steps
+    assert not one_forward_applies(s, rows=32, rows_per_mini=32, epochs=1)  # two micro-batches
+    assert not one_forward_applies(ActorSettings(ppo_micro_batch_size=16, reuse_update_forward=False), 16, 16, 1)
+
+
 # ------------------------------------------------------------------------ torchrun (2 ranks)
 
 

@@ -59,8 +59,10 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     info = json.loads(out.read_text())
     assert info["fsdp"] is True and info["trajectories"] == 2
     st = info["step"]
-    for phase in ("rollout_s", "old_log_prob_s", "advantage_s", "update_s", "weight_sync_s"):
+    for phase in ("rollout_s", "advantage_s", "update_s", "weight_sync_s"):
         assert st[f"timing/{phase}"] > 0, phase
+    # 2 trajectories, one epoch, one mini-batch: the update's forward gives the old stats, no separate pass
+    assert st["one_forward"] == 1.0 and st["timing/old_log_prob_s"] == 0.0
     assert 0 < st["sampled_tokens"] <= 2 * 16 and st["rollout_tokens_per_s"] > 0
     assert st["grad_norm"] > 0  # the token-hash reward gives non-zero advantages
     f, u = info["sum_pi_squared"]["fused"], info["sum_pi_squared"]["unfused"]

@@ -109,6 +109,32 @@ def test_step_raises_logprob_of_positive_advantage_trajectories(tmp_path, tiny_m
     asyncio_close(tr)
 
 
+@pytest.mark.slow
+def test_on_policy_step_takes_old_stats_from_the_update_forward(tmp_path, tiny_model_dir):
+    """SMALL's step is exactly on-policy (one epoch, one mini-batch, 8 rows in one micro-batch): by
+    default it skips the old-log-prob pass and gives the update the trainer makes with the pass
+    (actor.reuse_update_forward=false), on the same episodes."""
+    runs = {}
+    for reuse in ("true", "false"):
+        tr = _trainer(tmp_path / reuse, tiny_model_dir, [f"actor.reuse_update_forward={reuse}"])
+        res = tr.train_step()
+        weights = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+        runs[reuse] = (res, weights)
+        asyncio_close(tr)
+    (one, w_one), (two, w_two) = runs["true"], runs["false"]
+    assert one.metrics["actor/one_forward"] == 1.0 and two.metrics["actor/one_forward"] == 0.0
+    assert one.metrics["timing/old_log_prob_s"] == 0.0 and two.metrics["timing/old_log_prob_s"] > 0
+    assert one.metrics["timing/advantage_s"] > 0 and one.metrics["timing/update_s"] > 0
+    assert [t.response_ids for t in one.batch.trajectories] == [t.response_ids for t in two.batch.trajectories]
+    assert one.metrics["advantages/std"] > 0
+    for key in ("advantages/std", "actor/pg_loss", "actor/grad_norm", "variance_proxy/proxy2_total_power"):
+        assert one.metrics[key] == pytest.approx(two.metrics[key], rel=1e-4, abs=1e-7), key
+    # AdamW's first step moves a weight by about lr = 1e-2 whatever its gradient's size: where a gradient
+    # is ~0, the float order of the two paths' sums (the two-pass update permutes the rows) shows up to
+    # 1e-3 of a step; an update that differed would differ by whole steps
+    torch.testing.assert_close(w_one, w_two, rtol=0, atol=1e-4)
+
+
 def _row_adv(res):
     rewards = torch.tensor([t.reward for t in res.batch.trajectories])
     uid = res.batch["uid"]
