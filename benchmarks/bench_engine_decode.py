@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_engine_decode.py                  # CPU: the built-in tiny policy
     python benchmarks/bench_engine_decode.py --shape qwen3-0.6b         # a GPU: random Qwen3-0.6B shape
     python benchmarks/bench_engine_decode.py --batch 16 --new 128 --out runs/bench_engine_decode.json
+    .venv/bin/python benchmarks/bench_engine_decode.py --busy 1 --shape medium   # one core kept busy
 
 The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exactly ``--new`` tokens
 (no stop) these ways, each timed after a warm-up:
@@ -17,8 +18,15 @@ The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exact
   the engine's own);
 * ``engine``: :class:`agent_env.engines.hf.HFEngine` serving ``--batch`` concurrent ``generate``
   calls (continuous batching, per-request generators; its steps on the caller's thread on the CPU,
-  in a worker thread on a GPU); then once more with device-synchronised timers around its forward
-  and its sampling + bookkeeping, the rest being its serve loop (and the thread hop, if any).
+  in a worker thread on a GPU, with its default ``cpu_threads``: half of torch's threads); then
+  once more with device-synchronised timers around its forward and its sampling + bookkeeping, the
+  rest being its serve loop (and the thread hop, if any);
+* ``engine_all_threads`` (CPU): the same engine with ``cpu_threads=0``, torch's own thread count.
+
+``--busy K`` keeps K other processes spinning on the CPU through every timing, as the tools'
+sandbox processes do beside generation during a rollout. ``--shape``: ``tiny`` (the built-in
+policy, 1.1M parameters), random Qwen3 shapes ``small`` (6.6M) and ``medium`` (81M), or
+``qwen3-0.6b``.
 
 It prints milliseconds per decode step (wall time / ``--new``) and the ratios to ``generate``, and
 the engine's sampling alone on the same logits: on their device, and copied to the host first (what
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -55,6 +64,20 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
         from otb_tir.defaults.tiny import tiny_policy_dir
 
         model = AutoModelForCausalLM.from_pretrained(tiny_policy_dir(), dtype=dtype)
+    elif shape in ("small", "medium"):
+        torch.manual_seed(0)
+        h, layers = (256, 8) if shape == "small" else (768, 12)
+        config = Qwen3Config(
+            hidden_size=h,
+            intermediate_size=3 * h,
+            num_hidden_layers=layers,
+            num_attention_heads=h // 64,
+            num_key_value_heads=1,
+            head_dim=64,
+            vocab_size=2125,
+            tie_word_embeddings=True,
+        )
+        model = Qwen3ForCausalLM(config)
     else:
         torch.manual_seed(0)
         with torch.device(device):
@@ -201,13 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     from agent_env.engines.hf import HFEngine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=["tiny", "qwen3-0.6b"], default=None, help="default: tiny on CPU, else 0.6B")
+    p.add_argument(
+        "--shape",
+        choices=["tiny", "small", "medium", "qwen3-0.6b"],
+        default=None,
+        help="default: tiny on CPU, else 0.6B",
+    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--busy", type=int, default=0, help="other processes kept spinning during the timings")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -220,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab, (a.batch, a.prompt), generator=g).to(device)
     engine = HFEngine(model, device=device, share_weights=True, stop_at_eos=False, max_batch_size=a.batch, seed=0)
+    all_threads = None
+    if device.type == "cpu":
+        all_threads = HFEngine(
+            model, device=device, share_weights=True, stop_at_eos=False, max_batch_size=a.batch, seed=0, cpu_threads=0
+        )
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL) for _ in range(a.busy)
+    ]
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -229,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         "batch": a.batch,
         "prompt": a.prompt,
         "new": a.new,
+        "busy": a.busy,
+        "engine_cpu_threads": engine.cpu_threads,
+        "parameters": sum(p.numel() for p in model.parameters()),
     }
     warm = min(a.new, 8)
     time_generate(model, prompts, warm), time_bare(model, prompts, warm), time_engine(engine, prompts, warm)
@@ -237,19 +277,28 @@ def main(argv: list[str] | None = None) -> int:
     res["bare_thread_s"] = time_bare(model, prompts, a.new, "thread")
     res["bare_to_thread_s"] = time_bare(model, prompts, a.new, "to_thread")
     res["engine_s"], res["engine_stats"] = time_engine(engine, prompts, a.new)
+    paths = ["generate", "bare", "bare_thread", "bare_to_thread", "engine"]
+    if all_threads is not None:
+        time_engine(all_threads, prompts, warm)
+        res["engine_all_threads_s"], _ = time_engine(all_threads, prompts, a.new)
+        paths.append("engine_all_threads")
     res["engine_profile"] = profile_engine(engine, prompts, a.new)
+    for proc in spinners:
+        proc.kill()
     with torch.no_grad():
         logits = model(input_ids=prompts, logits_to_keep=1).logits[:, -1].float()
     res["sampling"] = time_sampling(logits, reps=20)
-    ms = {k: res[k + "_s"] / a.new * 1e3 for k in ("generate", "bare", "bare_thread", "bare_to_thread", "engine")}
+    ms = {k: res[k + "_s"] / a.new * 1e3 for k in paths}
     res["ms_per_step"] = ms
     print(
-        f"{res['device']} (torch {res['torch']}), {shape} {dtype}, batch {a.batch}, prompt {a.prompt}, "
-        f"{a.new} new tokens, {torch.get_num_threads()} torch threads"
+        f"{res['device']} (torch {res['torch']}), {shape} ({res['parameters'] / 1e6:.1f}M parameters) {dtype}, "
+        f"batch {a.batch}, prompt {a.prompt}, {a.new} new tokens, {torch.get_num_threads()} torch threads "
+        f"(the engine's steps: {engine.cpu_threads or torch.get_num_threads()}), "
+        f"{a.busy} other process(es) spinning"
     )
-    print(f"{'path':<15} {'ms/step':>8} {'vs generate':>12}")
+    print(f"{'path':<19} {'ms/step':>8} {'vs generate':>12}")
     for k, v in ms.items():
-        print(f"{k:<15} {v:8.2f} {v / ms['generate']:11.2f}x")
+        print(f"{k:<19} {v:8.2f} {v / ms['generate']:11.2f}x")
     pr = res["engine_profile"]
     print(
         "engine, timed with device syncs (ms/step): "

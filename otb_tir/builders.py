@@ -198,6 +198,9 @@ def check_sections(cfg: Any) -> None:
     check_plugins(cfg)
     if cfg.rollout.n <= 0:
         raise ConfigError(f"'rollout.n' must be > 0; got {cfg.rollout.n}")
+    threads = cfg.rollout.get("cpu_threads")
+    if threads is not None and threads < 0:
+        raise ConfigError(f"'rollout.cpu_threads' must be >= 0 (0 = torch's own setting) or null; got {threads}")
     try:
         episode_config(cfg)
     except EnvError as e:

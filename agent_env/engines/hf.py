@@ -7,8 +7,10 @@ requests into one running batch that shares forward passes:
   each row's first real token) and their KV caches are merged into the running batch between
   decode steps (continuous batching: a request never waits for a whole wave to finish);
 * each decode step feeds the last sampled token of every running row through one forward with a
-  transformers ``DynamicCache``; rows that finish (stop token, stop string, ``max_tokens``) leave
-  the batch at once and left columns that only hold padding are trimmed;
+  transformers ``DynamicCache`` whose layers keep free columns past the last one, so the step writes
+  its keys/values in place instead of copying the cache (``hf_batch.slack_layer_class``); rows that
+  finish (stop token, stop string, ``max_tokens``) leave the batch at once and left columns that
+  only hold padding are trimmed;
 * a request that continues a finished one (the next turn of a multi-turn episode: the same tokens,
   the sampled turn, then the tool's answer) is prefilled on that request's kept keys/values, so only
   its new tokens go through the model (:class:`~agent_env.engines.hf_batch.PrefixCache`);
@@ -41,7 +43,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams
-from agent_env.engines.hf_batch import PrefixCache, RunningBatch, cache_layers, zero_padding
+from agent_env.engines.hf_batch import PrefixCache, RunningBatch, cache_layers, with_slack, zero_padding
 from agent_env.engines.hf_sampling import Request, make_request, sample
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,13 @@ class HFEngine(RunningBatch):
             the CPU, where two threads running torch's OpenMP kernels slow the second one ~2×
             (recorded on 2 cores: the same decode step 3.8 ms on the caller's thread, 7.5 ms through
             ``asyncio.to_thread``).
+        cpu_threads: torch threads for the engine's steps when they run on the caller's thread on the
+            CPU (the rest of the process keeps its own setting; between two rollouts, when the engine
+            is empty, torch's setting is back). None: half of torch's threads, at least 1, leaving the
+            other cores to the tools' sandbox processes, which run beside generation; 0: torch's own
+            setting. With a core busy, torch's two-thread kernels stall on it: a decode step took
+            2.3-2.6x as long on 2 threads as on 1 (1M-80M parameters, 2 cores), while on idle cores
+            2 threads were only 1.15-1.4x faster (``benchmarks/bench_engine_decode.py --busy``).
     """
 
     def __init__(
@@ -93,6 +102,7 @@ class HFEngine(RunningBatch):
         stop_at_eos: bool = True,
         prefix_cache_bytes: int | None = None,
         worker_thread: bool | None = None,
+        cpu_threads: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -136,6 +146,13 @@ class HFEngine(RunningBatch):
         self.share_weights = share_weights
         self.device = next(model.parameters()).device
         self.worker_thread = self.device.type != "cpu" if worker_thread is None else bool(worker_thread)
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or cpu_threads < 0):
+            raise EngineError(f"cpu_threads must be >= 0 (0 = torch's own setting) or None, got {cpu_threads!r}")
+        if cpu_threads is None:
+            cpu_threads = max(1, torch.get_num_threads() // 2)
+        # only where the steps run on the caller's thread on the CPU (a thread count is per thread)
+        self.cpu_threads = cpu_threads if self.device.type == "cpu" and not self.worker_thread else 0
+        self._threads_before: int | None = None  # torch's setting while the engine's own is in force
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._eos_ids: frozenset[int] = frozenset(self._collect_eos_ids() if stop_at_eos else ())
         self._seed_rng = random.Random(seed) if seed is not None else None
@@ -266,12 +283,14 @@ class HFEngine(RunningBatch):
                         req.fail(EngineError(f"generation failed: {exc!r}"))
                     self._waiting.clear()
                     self._reset_batch()
+                    self._restore_threads()
 
     def _abort_all(self) -> None:
         for req in [*self._active, *self._waiting]:
             req.resolve("abort")
         self._waiting.clear()
         self._reset_batch()
+        self._restore_threads()
 
     # ------------------------------------------------------------------ compute (worker thread)
 
@@ -281,11 +300,26 @@ class HFEngine(RunningBatch):
             was_training = self.model.training
             if was_training:  # a shared trainer model: no dropout, and keep the KV cache on
                 self.model.eval()
+            self._own_threads()
             try:
                 self._step_locked()
             finally:
                 if was_training:
                     self.model.train()
+                if not self._active and not self._waiting:
+                    self._restore_threads()  # empty: the rest of the process runs with its own setting
+
+    def _own_threads(self) -> None:
+        if self.cpu_threads and self._threads_before is None:
+            self._threads_before = torch.get_num_threads()
+            if self._threads_before != self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)
+
+    def _restore_threads(self) -> None:
+        if self._threads_before is not None:
+            if torch.get_num_threads() != self._threads_before:
+                torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def _step_locked(self) -> None:
         self.stats["steps"] += 1
@@ -303,7 +337,13 @@ class HFEngine(RunningBatch):
             admit.append(req)
         if admit:
             first = len(self._active)
-            self._prefill(admit)
+            try:
+                self._prefill(admit)
+            except BaseException:
+                # rows not merged yet are in neither list: back to the queue, where the failure reaches them
+                merged = {id(r) for r in self._active}
+                self._waiting.extendleft(reversed([r for r in admit if id(r) not in merged]))
+                raise
             finished = [first + i for i, r in enumerate(self._active[first:]) if r.finish_reason is not None]
             if finished:
                 self._drop_rows(finished)
@@ -324,6 +364,7 @@ class HFEngine(RunningBatch):
         assert self._next is not None and self._mask is not None and self._pos is not None
         b = len(self._active)
         mask = torch.cat([self._mask, torch.ones(b, 1, dtype=self._mask.dtype, device=self.device)], dim=1)
+        with_slack(self._cache)  # this step writes its keys/values in place, no copy of the cache
         logits, self._cache = self._forward(self._next[:, None], mask, self._pos[:, None], self._cache)
         self._mask = mask
         self._pos = self._pos + 1

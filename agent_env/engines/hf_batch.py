@@ -25,15 +25,76 @@ import torch
 from agent_env.engines.base import EngineError
 from agent_env.engines.hf_sampling import Request
 
+SLACK_COLUMNS = 64  # free columns a running batch's keys/values get past its last one (SlackLayer)
+
 
 def cache_layers(cache) -> list:
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise EngineError("unsupported KV cache (needs transformers >= 4.56 DynamicCache layers)")
     for layer in layers:
-        if type(layer).__name__ != "DynamicLayer":
+        if type(layer).__name__ not in ("DynamicLayer", "SlackLayer"):
             raise EngineError(f"HFEngine batches full-attention KV caches only; this model uses {type(layer).__name__}")
     return layers
+
+
+_SLACK_LAYER: type | None = None
+
+
+def slack_layer_class() -> type:
+    """``SlackLayer``: a transformers ``DynamicLayer`` whose keys/values are views of buffers with
+    free columns after the last one, so a decode step writes its token's keys/values in place.
+
+    ``DynamicLayer.update`` appends with ``torch.cat``, which copies the whole cache every step:
+    on the CPU that copy was half of a decode step's time at 300 columns × 16 rows
+    (``benchmarks/bench_engine_decode.py``). Here a step copies only its new columns; the buffers are
+    reallocated (with :data:`SLACK_COLUMNS` free columns) when they are full or when ``keys`` /
+    ``values`` were replaced from outside (the running batch's merges, row drops and trims assign new
+    tensors: the next update starts from those). The values the model sees are the same tensors'
+    values, in the same ``[B, heads, T, dim]`` shape (a view with the buffer's strides)."""
+    global _SLACK_LAYER
+    if _SLACK_LAYER is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class SlackLayer(DynamicLayer):
+            def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+                super().__init__()
+                self.dtype, self.device = keys.dtype, keys.device
+                self.keys, self.values = keys, values
+                self.is_initialized = True
+                self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+                self._views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                t, n = self.keys.shape[-2], key_states.shape[-2]
+                views, bufs = self._views, self._bufs
+                fresh = views is None or views[0] is not self.keys or views[1] is not self.values
+                if fresh or bufs is None or bufs[0].shape[-2] < t + n or bufs[0].shape[0] != key_states.shape[0]:
+                    bufs = tuple(
+                        old.new_empty((*old.shape[:-2], t + n + SLACK_COLUMNS, old.shape[-1]))
+                        for old in (self.keys, self.values)
+                    )
+                    bufs[0][..., :t, :].copy_(self.keys)
+                    bufs[1][..., :t, :].copy_(self.values)
+                    self._bufs = bufs
+                bufs[0][..., t : t + n, :].copy_(key_states)
+                bufs[1][..., t : t + n, :].copy_(value_states)
+                self.keys, self.values = bufs[0][..., : t + n, :], bufs[1][..., : t + n, :]
+                self._views = (self.keys, self.values)
+                return self.keys, self.values
+
+        _SLACK_LAYER = SlackLayer
+    return _SLACK_LAYER
+
+
+def with_slack(cache) -> None:
+    """Turn ``cache``'s plain ``DynamicLayer`` layers (full attention, filled) into ``SlackLayer``
+    ones holding the same keys/values (see :func:`slack_layer_class`)."""
+    layers = cache_layers(cache)
+    cls = slack_layer_class()
+    for i, layer in enumerate(layers):
+        if type(layer) is not cls and layer.is_initialized and layer.keys.numel():
+            layers[i] = cls(layer.keys, layer.values)
 
 
 def zero_padding(cache, mask: torch.Tensor) -> None:

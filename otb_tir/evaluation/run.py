@@ -153,6 +153,7 @@ def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
                 seed=cfg.eval.seed,
                 stop_at_eos=False,
                 prefix_cache_bytes=None if r.enable_prefix_caching else 0,
+                cpu_threads=r.cpu_threads,
             )
         dtype = None if r.dtype == "auto" else r.dtype
         if r.name == "vllm":

@@ -56,6 +56,9 @@ class RolloutConfig:
     response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
     max_tokens_per_turn: int = 96  # cap on one assistant turn (within what is left of R)
     max_batch_size: int = 64  # hf engine: requests decoded together
+    # hf engine on the CPU: torch threads for its steps (null: half of torch's, at least 1, leaving the other
+    # cores to the tools' sandboxes that run beside generation; 0: torch's own setting)
+    cpu_threads: int | None = None
     # keep a finished turn's keys/values for the episode's next turn, so only the tool's answer is prefilled
     # (hf engine: up to 256 MiB, dropped when the weights change; vllm/sglang: their own prefix caching)
     enable_prefix_caching: bool = True

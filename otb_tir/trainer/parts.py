@@ -191,6 +191,7 @@ def build_parts(
         seed=cfg.trainer.seed,
         stop_at_eos=False,
         prefix_cache_bytes=None if cfg.rollout.enable_prefix_caching else 0,
+        cpu_threads=cfg.rollout.cpu_threads,
     )
     if shard:
         # the engine keeps its own unsharded copy; the full state dict is copied in after each update

@@ -594,3 +594,82 @@ def test_steps_run_on_the_loops_thread_on_cpu_and_the_loop_still_serves_others(t
     ref = HFEngine(tiny_model_dir, worker_thread=True)
     assert run(ref.generate(prompts[0], SamplingParams(max_tokens=40, temperature=0.0))).token_ids == out.token_ids
     run(ref.close())
+
+
+def test_slack_layer_appends_in_place_and_holds_what_a_dynamic_layer_holds():
+    """The running batch's KV layers (SlackLayer) against transformers' DynamicLayer, the oracle:
+    the same keys/values after appends, after the rows are replaced from outside (a merge or a row
+    drop assigns new tensors) and after a refill; between reallocations an append writes into the
+    same buffer (no copy of the cache: what made a CPU decode step slow at long contexts)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from agent_env.engines.hf_batch import SLACK_COLUMNS, slack_layer_class
+
+    g = torch.Generator().manual_seed(0)
+
+    def kv(b, t):
+        return torch.randn(b, 2, t, 8, generator=g), torch.randn(b, 2, t, 8, generator=g)
+
+    ref = DynamicLayer()
+    ref.update(*kv(3, 5))
+    slack = slack_layer_class()(ref.keys.clone(), ref.values.clone())
+    ptrs = set()
+    for _ in range(SLACK_COLUMNS + 3):  # past the first buffer's end: one reallocation
+        k, v = kv(3, 1)
+        got = slack.update(k, v)
+        want = ref.update(k, v)
+        ptrs.add(slack.keys.untyped_storage().data_ptr())
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert len(ptrs) == 2  # the first buffer, then one with new slack: never a copy per append
+    # rows dropped / trimmed from outside, as RunningBatch._drop_rows does: the next append starts there
+    idx = torch.tensor([0, 2])
+    slack.keys, slack.values = slack.keys.index_select(0, idx)[:, :, 4:], slack.values.index_select(0, idx)[:, :, 4:]
+    ref.keys, ref.values = ref.keys.index_select(0, idx)[:, :, 4:], ref.values.index_select(0, idx)[:, :, 4:]
+    for t in (1, 1, 4):  # a multi-token append too
+        k, v = kv(2, t)
+        for a, b in zip(slack.update(k, v), ref.update(k, v)):
+            assert torch.equal(a, b)
+    assert slack.get_seq_length() == ref.get_seq_length() == 5 + SLACK_COLUMNS + 3 - 4 + 6
+    # padding zeroed in place (zero_padding) reaches the buffer the next appends extend
+    slack.keys[:, :, 0].zero_()
+    ref.keys[:, :, 0].zero_()
+    k, v = kv(2, 1)
+    assert torch.equal(slack.update(k, v)[0], ref.update(k, v)[0])
+
+
+@pytest.mark.parametrize("cpu_threads", [None, 1, 0])
+def test_cpu_threads_hold_during_steps_and_torch_setting_is_back_after(tiny_model_dir, prompts, cpu_threads):
+    """The engine's steps on the CPU run with its own thread count (None: half of torch's, at least
+    1; 0: torch's); once it is empty again, and after a failed step, the process has torch's setting."""
+    before = torch.get_num_threads()
+    want = {None: max(1, before // 2), 1: 1, 0: before}[cpu_threads]
+    eng = HFEngine(tiny_model_dir, cpu_threads=cpu_threads, max_batch_size=8)
+    seen = []
+    real = eng._forward
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    eng._forward = spy
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    outs = run(gen_all(eng, prompts[:4], sp))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert seen and set(seen) == {want}
+    assert torch.get_num_threads() == before
+
+    def boom(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("boom")
+
+    eng._forward = boom
+    with pytest.raises(EngineError, match="boom"):
+        run(gen_all(eng, prompts[:2], sp))
+    assert seen[-1] == want and torch.get_num_threads() == before
+    run(eng.close())
+
+
+def test_cpu_threads_rejects_a_negative_count(tiny_model_dir):
+    with pytest.raises(EngineError, match="cpu_threads must be >= 0"):
+        HFEngine(tiny_model_dir, cpu_threads=-1)
