@@ -13,6 +13,8 @@ The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exact
 * ``bare``: a prefill, then one forward per token over a ``DynamicCache`` with the engine's call
   (``logits_to_keep=1``) and ``torch.multinomial`` on the logits' device: the floor for a loop of
   forwards in eager PyTorch;
+* ``bare_slack``: the same loop with the engine's KV layers, which write each step's keys/values
+  into free columns instead of ``torch.cat``-ing the whole cache (``hf_batch.slack_layer_class``);
 * ``bare_thread``, ``bare_to_thread``: the same loop in one other thread, and with each step sent
   through ``asyncio.to_thread`` as the engine sends its steps (so a thread's cost shows apart from
   the engine's own);
@@ -104,10 +106,14 @@ def time_generate(model, prompts: torch.Tensor, new: int) -> float:
     return time.perf_counter() - t0
 
 
-def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main") -> float:
+def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main", slack: bool = False) -> float:
     """``where``: ``main`` (this thread), ``thread`` (the whole loop in one other thread),
-    ``to_thread`` (each step through ``asyncio.to_thread``, as the engine runs its steps)."""
+    ``to_thread`` (each step through ``asyncio.to_thread``, as the engine runs its steps).
+    ``slack``: the cache's layers are the engine's ``SlackLayer`` (keys/values written in place)
+    instead of transformers' ``DynamicLayer`` (``torch.cat`` every step)."""
     from transformers import DynamicCache
+
+    from agent_env.engines.hf_batch import with_slack
 
     b, p = prompts.shape
     dev = prompts.device
@@ -125,6 +131,8 @@ def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main") -> fl
     @torch.no_grad()
     def step(i: int) -> None:
         st["mask"] = torch.cat([st["mask"], torch.ones(b, 1, dtype=torch.long, device=dev)], dim=1)
+        if slack:
+            with_slack(st["cache"])
         out = model(
             input_ids=st["next"],
             attention_mask=st["mask"],
@@ -274,10 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     time_generate(model, prompts, warm), time_bare(model, prompts, warm), time_engine(engine, prompts, warm)
     res["generate_s"] = time_generate(model, prompts, a.new)
     res["bare_s"] = time_bare(model, prompts, a.new)
+    res["bare_slack_s"] = time_bare(model, prompts, a.new, slack=True)
     res["bare_thread_s"] = time_bare(model, prompts, a.new, "thread")
     res["bare_to_thread_s"] = time_bare(model, prompts, a.new, "to_thread")
     res["engine_s"], res["engine_stats"] = time_engine(engine, prompts, a.new)
-    paths = ["generate", "bare", "bare_thread", "bare_to_thread", "engine"]
+    paths = ["generate", "bare", "bare_slack", "bare_thread", "bare_to_thread", "engine"]
     if all_threads is not None:
         time_engine(all_threads, prompts, warm)
         res["engine_all_threads_s"], _ = time_engine(all_threads, prompts, a.new)
