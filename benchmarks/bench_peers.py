@@ -562,7 +562,9 @@ def evaluate(model_dir: Path, s: Settings, out: Path, name: str) -> dict[str, An
     return {"accuracy": float(overall["accuracy/mean@n"]), "tool_call_rate": float(overall["tools/call_rate"])}
 
 
-def run_ours(s: Settings, seed: int, out: Path, model_path: Path, estimator: str) -> dict[str, Any]:
+def run_ours(
+    s: Settings, seed: int, out: Path, model_path: Path, estimator: str, extra: Sequence[str] = ()
+) -> dict[str, Any]:
     """Our recipe's local trainer as a subprocess (:func:`ours_worker`); per-step figures from its
     metrics.jsonl, the engine's counters from the worker."""
     if out.exists():
@@ -574,6 +576,7 @@ def run_ours(s: Settings, seed: int, out: Path, model_path: Path, estimator: str
         "--ours-worker",
         str(engine_stats),
         *recipe_overrides(s, seed, out, model_path, estimator),
+        *extra,
     ]
     r = run_child(cmd, out.parent / f"{out.name}.log", s.timeout_s)
     metrics = out / "metrics.jsonl"
@@ -643,10 +646,17 @@ LABELS = {
     "ours_grpo": "ours (local trainer, GRPO)",
     "trl": "TRL 1.16 GRPOTrainer",
     "trl_cb": "TRL 1.16 GRPOTrainer, continuous batching",
+    "ours_torch_threads": "ours (TIR-OTB), engine steps on torch's threads (rollout.cpu_threads=0)",
 }
-ESTIMATORS = {"ours": "tir_optimal_token_baseline", "ours_grpo": "grpo"}
+ESTIMATORS = {
+    "ours": "tir_optimal_token_baseline",
+    "ours_grpo": "grpo",
+    "ours_torch_threads": "tir_optimal_token_baseline",
+}
+OURS_EXTRA = {"ours_torch_threads": ["rollout.cpu_threads=0"]}  # overrides of an A/B row
 TOOL_LOSS = {
     "ours": "no (response_mask = 0 on tool tokens)",
+    "ours_torch_threads": "no (response_mask = 0 on tool tokens)",
     "ours_grpo": "no (response_mask = 0 on tool tokens)",
     "trl": "no (TRL's tool_mask = 0 on tool-result tokens)",
     "trl_cb": "no (TRL's tool_mask = 0 on tool-result tokens)",
@@ -978,7 +988,8 @@ def main(argv: list[str] | None = None) -> int:
         "--trainers",
         default=None,
         help="comma-separated of ours (TIR-OTB), ours_grpo (our trainer with GRPO, TRL's estimator), trl, "
-        "trl_cb (TRL with transformers' continuous batching); default ours,ours_grpo,trl (--quick: ours,trl)",
+        "trl_cb (TRL with transformers' continuous batching), ours_torch_threads (ours with the engine's steps "
+        "on torch's threads, rollout.cpu_threads=0); default ours,ours_grpo,trl (--quick: ours,trl)",
     )
     p.add_argument("--model-path", default=None, help="warm start folder (default: the recipe's built-in one)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_peers")
@@ -1029,7 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
             if t.startswith("trl"):
                 r = run_trl(s, seed, folder, model_path, t)
             else:
-                r = run_ours(s, seed, folder, model_path, ESTIMATORS[t])
+                r = run_ours(s, seed, folder, model_path, ESTIMATORS[t], OURS_EXTRA.get(t, ()))
             r["seed"] = seed
             if not r.get("error"):
                 ev = evaluate(Path(r["model_dir"]), s, out / "eval", f"{t}_seed{seed}")

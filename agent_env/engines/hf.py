@@ -85,9 +85,10 @@ class HFEngine(RunningBatch):
             CPU (the rest of the process keeps its own setting; between two rollouts, when the engine
             is empty, torch's setting is back). None: half of torch's threads, at least 1, leaving the
             other cores to the tools' sandbox processes, which run beside generation; 0: torch's own
-            setting. With a core busy, torch's two-thread kernels stall on it: a decode step took
-            2.3-2.6x as long on 2 threads as on 1 (1M-80M parameters, 2 cores), while on idle cores
-            2 threads were only 1.15-1.4x faster (``benchmarks/bench_engine_decode.py --busy``).
+            setting. With a core busy, torch's two-thread kernels stall on it: on 2 cores a decode
+            step of the tiny policy took 25.2 ms on 2 threads and 10.6 ms on 1, while on idle cores
+            2 threads were faster, 7.1 against 11.0 ms (``benchmarks/bench_engine_decode.py --busy 1``,
+            recorded in docs/results.md).
     """
 
     def __init__(
