@@ -94,21 +94,33 @@ def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, gra
     return TokenStats(*(torch.nn.functional.pad(t, (0, resp_len - r)) for t in st))
 
 
+def by_length(batch: dict, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ordered by their response length (stable), so that consecutive micro-batches hold rows
+    of similar lengths and :func:`trim_padding` cuts more of the right padding (the aim of verl's
+    dynamic batch size). No result depends on the order beyond float rounding: statistics are per
+    row, and the loss's token-mean divides by the whole mini-batch's count."""
+    resp = batch["responses"].shape[1]
+    lengths = batch["attention_mask"][rows][:, batch["attention_mask"].shape[1] - resp :].sum(1)
+    return rows[torch.argsort(lengths, stable=True)]
+
+
 @torch.no_grad()
 def compute_old_stats(model, batch: dict, s: ActorSettings) -> dict[str, torch.Tensor]:
-    """Old log-probs, entropy and Σπ² of the current policy on every response token ([B, R] each)."""
+    """Old log-probs, entropy and Σπ² of the current policy on every response token ([B, R] each);
+    micro-batches of rows of similar lengths (:func:`by_length`)."""
     was_training = model.training
     model.eval()
-    out = {"old_log_probs": [], "entropy": [], "sum_pi_squared": []}
-    n = batch["responses"].shape[0]
-    for i in range(0, n, s.ppo_micro_batch_size):
-        st = _stats(model, batch, slice(i, i + s.ppo_micro_batch_size), s, grad=False)
-        out["old_log_probs"].append(st.log_probs.float().cpu())
-        out["entropy"].append(st.entropy.float().cpu())
-        out["sum_pi_squared"].append(st.sum_pi_squared.float().cpu())
-    model.train(was_training)
     mask = batch["response_mask"].float()
-    return {k: torch.cat(v) * mask if v else torch.zeros_like(mask) for k, v in out.items()}
+    out = {k: torch.zeros_like(mask) for k in ("old_log_probs", "entropy", "sum_pi_squared")}
+    order = by_length(batch, torch.arange(mask.shape[0]))
+    for i in range(0, len(order), s.ppo_micro_batch_size):
+        rows = order[i : i + s.ppo_micro_batch_size]
+        st = _stats(model, batch, rows, s, grad=False)
+        out["old_log_probs"][rows] = st.log_probs.float().cpu()
+        out["entropy"][rows] = st.entropy.float().cpu()
+        out["sum_pi_squared"][rows] = st.sum_pi_squared.float().cpu()
+    model.train(was_training)
+    return {k: v * mask for k, v in out.items()}
 
 
 def _global_tokens(mask: torch.Tensor, world: int, device: torch.device) -> float:
@@ -200,7 +212,8 @@ def ppo_update(
     s: ActorSettings,
     ref_log_probs: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """One pass of PPO over ``mini_batches`` (lists of row indices); one optimizer step each.
+    """One pass of PPO over ``mini_batches`` (lists of row indices); one optimizer step each. A
+    mini-batch's micro-batches take its rows in order of length (:func:`by_length`).
 
     Under FSDP every rank must pass the same number of mini-batches, each with the same number of
     rows (the same micro-batch count: each forward/backward is a collective). The token-mean's
@@ -215,6 +228,7 @@ def ppo_update(
     sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: reduce gradients once per mini-batch
     for rows in mini_batches:
         num_tokens = _global_tokens(batch["loss_mask"][rows], world, device)
+        rows = by_length(batch, rows)  # micro-batches of similar lengths: less padding through the model
         optimizer.zero_grad(set_to_none=True)
         starts = list(range(0, len(rows), s.ppo_micro_batch_size))
         for j in starts:

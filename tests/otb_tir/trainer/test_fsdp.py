@@ -253,6 +253,47 @@ def test_one_forward_update_equals_the_two_pass_update(tiny_model_factory):
     torch.testing.assert_close(w1, w2, rtol=0, atol=1e-6)
 
 
+def test_micro_batches_by_length_give_each_row_its_own_statistics_and_the_same_update(tiny_model_factory):
+    """Rows of different response lengths (right padding): micro-batches of rows ordered by length
+    (by_length) give every row the statistics a one-row forward gives it, in its own place, and the
+    update of one micro-batch per row."""
+    from otb_tir.trainer.actor import ActorSettings, by_length, compute_old_stats, ppo_update
+
+    g = torch.Generator().manual_seed(3)
+    B, P, R = 7, 4, 12
+    ids = torch.randint(5, 1500, (B, P + R), generator=g)
+    lengths = torch.tensor([12, 3, 7, 12, 1, 5, 9])
+    attn = torch.ones(B, P + R, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        attn[i, P + n :] = 0
+    batch = {
+        "input_ids": ids * attn,
+        "attention_mask": attn,
+        "position_ids": torch.arange(P + R).expand(B, -1),
+        "responses": (ids * attn)[:, P:],
+        "response_mask": attn[:, P:].float(),
+    }
+    assert by_length(batch, torch.arange(B)).tolist() == [4, 1, 5, 2, 6, 0, 3]
+    assert by_length(batch, torch.tensor([3, 1, 0])).tolist() == [1, 3, 0]  # stable among equal lengths
+    out = {}
+    for micro in (1, 3):
+        torch.manual_seed(0)
+        model = tiny_model_factory()
+        s = ActorSettings(ppo_micro_batch_size=micro)
+        t = dict(batch)
+        t.update(compute_old_stats(model, t, s))
+        t["loss_mask"] = t["response_mask"]
+        t["advantages"] = torch.randn(B, R, generator=torch.Generator().manual_seed(1)) * t["loss_mask"]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        m = ppo_update(model, opt, t, [torch.arange(B)], s)
+        out[micro] = (t, m, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    for key in ("old_log_probs", "sum_pi_squared", "entropy"):
+        torch.testing.assert_close(out[3][0][key], out[1][0][key], rtol=0, atol=1e-5, msg=key)
+    assert ((out[3][0]["old_log_probs"] != 0) == batch["response_mask"].bool()).all()  # each row in its place
+    assert out[1][1]["actor/pg_loss"] == pytest.approx(out[3][1]["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(out[3][2], out[1][2], rtol=0, atol=1e-6)
+
+
 def test_one_forward_applies_only_to_exactly_on_policy_steps():
     from otb_tir.trainer.actor import ActorSettings, one_forward_applies
 
