@@ -159,10 +159,25 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
         run_sync(tools.close())
 
 
+def _two_pass_update(tiny_model_factory, batch: dict, micro: int):
+    """compute_old_stats, then ppo_update of fixed random advantages as one mini-batch in
+    micro-batches of ``micro`` rows (SGD, lr 0.1), on a fresh tiny model: (batch, metrics, weights)."""
+    from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
+
+    torch.manual_seed(0)
+    model = tiny_model_factory()
+    s = ActorSettings(ppo_micro_batch_size=micro)
+    t = dict(batch)
+    t.update(compute_old_stats(model, t, s))
+    t["loss_mask"] = t["response_mask"]
+    t["advantages"] = torch.randn(t["responses"].shape, generator=torch.Generator().manual_seed(1)) * t["loss_mask"]
+    m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), t, [torch.arange(t["responses"].shape[0])], s)
+    return t, m, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
 def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
     """Gradient accumulation: one mini-batch in 1 or 4 micro-batches gives the same update and the
     same (token-mean) loss, entropy and grad-norm metrics."""
-    from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
 
     g = torch.Generator().manual_seed(0)
     B, P, R = 4, 6, 10
@@ -174,18 +189,7 @@ def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
         "responses": ids[:, P:],
         "response_mask": (torch.rand(B, R, generator=g) > 0.2).float(),
     }
-    out = {}
-    for micro in (1, 4):
-        torch.manual_seed(0)
-        model = tiny_model_factory()
-        s = ActorSettings(ppo_micro_batch_size=micro)
-        t = dict(batch)
-        t.update(compute_old_stats(model, t, s))
-        t["loss_mask"] = t["response_mask"]
-        t["advantages"] = torch.randn(B, R, generator=torch.Generator().manual_seed(1)) * t["loss_mask"]
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        m = ppo_update(model, opt, t, [torch.arange(B)], s)
-        out[micro] = (m, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    out = {micro: _two_pass_update(tiny_model_factory, batch, micro)[1:] for micro in (1, 4)}
     for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert out[1][0][k] == pytest.approx(out[4][0][k], rel=1e-5, abs=1e-7), k
     assert out[1][0]["actor/entropy"] > 1.0  # a token-mean entropy, not divided by the micro-batch count
@@ -257,7 +261,7 @@ def test_micro_batches_by_length_give_each_row_its_own_statistics_and_the_same_u
     """Rows of different response lengths (right padding): micro-batches of rows ordered by length
     (by_length) give every row the statistics a one-row forward gives it, in its own place, and the
     update of one micro-batch per row."""
-    from otb_tir.trainer.actor import ActorSettings, by_length, compute_old_stats, ppo_update
+    from otb_tir.trainer.actor import by_length
 
     g = torch.Generator().manual_seed(3)
     B, P, R = 7, 4, 12
@@ -275,18 +279,7 @@ def test_micro_batches_by_length_give_each_row_its_own_statistics_and_the_same_u
     }
     assert by_length(batch, torch.arange(B)).tolist() == [4, 1, 5, 2, 6, 0, 3]
     assert by_length(batch, torch.tensor([3, 1, 0])).tolist() == [1, 3, 0]  # stable among equal lengths
-    out = {}
-    for micro in (1, 3):
-        torch.manual_seed(0)
-        model = tiny_model_factory()
-        s = ActorSettings(ppo_micro_batch_size=micro)
-        t = dict(batch)
-        t.update(compute_old_stats(model, t, s))
-        t["loss_mask"] = t["response_mask"]
-        t["advantages"] = torch.randn(B, R, generator=torch.Generator().manual_seed(1)) * t["loss_mask"]
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        m = ppo_update(model, opt, t, [torch.arange(B)], s)
-        out[micro] = (t, m, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    out = {micro: _two_pass_update(tiny_model_factory, batch, micro) for micro in (1, 3)}
     for key in ("old_log_probs", "sum_pi_squared", "entropy"):
         torch.testing.assert_close(out[3][0][key], out[1][0][key], rtol=0, atol=1e-5, msg=key)
     assert ((out[3][0]["old_log_probs"] != 0) == batch["response_mask"].bool()).all()  # each row in its place
