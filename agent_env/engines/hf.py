@@ -24,8 +24,9 @@ Log-probs follow the Engine contract: ``log_softmax(logits / temperature)`` over
 vocabulary for the sampled token (top-k/top-p truncation only decides what can be sampled). For
 greedy decoding (``temperature == 0``) the log-probs are those of the raw logits (temperature 1).
 
-Checking a call and sampling are in :mod:`agent_env.engines.hf_sampling`; merging prefilled rows
-into the running batch's KV cache and dropping finished ones, in :mod:`agent_env.engines.hf_batch`.
+Checking a call and sampling are in :mod:`agent_env.engines.hf_sampling`; prefilling new rows,
+merging them into the running batch's KV cache and dropping finished ones, in
+:mod:`agent_env.engines.hf_batch`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams
-from agent_env.engines.hf_batch import PrefixCache, RunningBatch, cache_layers, with_slack, zero_padding
+from agent_env.engines.hf_batch import PrefixCache, RunningBatch, with_slack
 from agent_env.engines.hf_sampling import Request, make_request, sample
 
 logger = logging.getLogger(__name__)
@@ -375,79 +376,6 @@ class HFEngine(RunningBatch):
     def _weights_signature(self) -> int:
         # in-place changes (an optimizer step on shared weights, update_weights' copies) bump these
         return sum(p._version for p in self.model.parameters())
-
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Admit ``reqs``: those that continue a kept request on its keys/values, the rest from their
-        first token (two forwards at most; each group joins the running batch as it is prefilled)."""
-        fresh: list[tuple] = []  # (request, kept tokens, kept keys/values, their mask)
-        cont: list[tuple] = []
-        weights = self._weights_signature() if self._prefix.max_bytes else None
-        for r in reqs:
-            hit = self._prefix.take(r.prompt_ids + r.out_ids, weights)  # never one when the cache is off
-            (cont if hit else fresh).append((r, *hit) if hit else (r, 0, [], None))
-        for group in (fresh, cont):
-            if group:
-                self._prefill_group(group)
-
-    def _prefill_group(self, group: list[tuple]) -> None:
-        from transformers import DynamicCache
-
-        reqs = [r for r, *_ in group]
-        seqs = [r.prompt_ids + r.out_ids for r in reqs]  # out_ids is non-empty after a weight update
-        # Rows with the same tokens (the n samples of one prompt; samples that wrote the same turn)
-        # go through the model once and are copied.
-        index: dict[tuple[tuple[int, ...], int], int] = {}
-        inverse = [index.setdefault((tuple(s), g[1]), len(index)) for s, g in zip(seqs, group)]
-        rows = []  # the first row of each distinct sequence, in order (its id is its place here)
-        for i, j in enumerate(inverse):
-            if j == len(rows):
-                rows.append(i)
-        past = [group[i][1] for i in rows]  # tokens kept for each row
-        kept = [group[i][3].shape[0] if group[i][3] is not None else 0 for i in rows]  # their columns
-        new = [seqs[i][n:] for i, n in zip(rows, past)]
-        p_width, width = max(kept), max(map(len, new))
-        b = len(rows)
-        ids = torch.zeros((b, width), dtype=torch.long)
-        mask = torch.zeros((b, p_width + width), dtype=torch.long)
-        pos = torch.zeros((b, width), dtype=torch.long)
-        for i, (s, n, w) in enumerate(zip(new, past, kept)):
-            ids[i, width - len(s) :] = torch.tensor(s)
-            if w:  # the kept keys/values' columns, left-padded to p_width
-                mask[i, p_width - w : p_width] = group[rows[i]][3].cpu()
-            mask[i, p_width + width - len(s) :] = 1
-            pos[i, width - len(s) :] = torch.arange(n, n + len(s))
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        cache = DynamicCache(config=self.model.config)
-        if p_width:
-            pad = torch.nn.functional.pad
-            for layer, _ in enumerate(cache_layers(cache)):
-                keys = torch.cat([pad(group[i][2][layer][0], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
-                values = torch.cat([pad(group[i][2][layer][1], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
-                cache.update(keys, values, layer)
-            self.stats["prefix_hits"] += len(group)
-            self.stats["prefix_tokens"] += sum(g[1] for g in group)
-        logits, cache = self._forward(ids, mask, pos, cache)
-        zero_padding(cache, mask)
-        if p_width:  # close the gaps between kept and new columns: the row's columns, right-aligned
-            order = torch.argsort(mask, dim=1, stable=True)  # padding first, then the row's own in order
-            mask = mask.gather(1, order)
-            start = int(mask.argmax(dim=1).min())  # the first column any row uses
-            order, mask = order[:, start:], mask[:, start:]
-            for layer in cache_layers(cache):
-                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
-        if b < len(group):
-            expand = torch.tensor(inverse, device=self.device)
-            logits, mask = logits.index_select(0, expand), mask.index_select(0, expand)
-            for layer in cache_layers(cache):
-                layer.keys, layer.values = layer.keys.index_select(0, expand), layer.values.index_select(0, expand)
-        self.stats["prefills"] += 1
-        self.stats["prefilled_tokens"] += sum(map(len, new))
-        self.stats["prefill_rows_shared"] += len(group) - b
-        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
-        self._merge(reqs, cache, mask, lengths)
-        first = len(self._active) - len(reqs)
-        self._accept(reqs, logits, rows=range(first, first + len(reqs)))
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, rows: range) -> list[int]:
         """Sample one token per row, record it, set it as the row's next input; return finished rows."""

@@ -4,6 +4,8 @@ The running batch is left-padded: row ``i`` of the ``DynamicCache`` layers, of t
 ``_mask`` ``[B, T]``, of ``_next`` (its last sampled token, not yet in the cache) and of ``_pos``
 (that token's position id) belong to request ``_active[i]``. :class:`RunningBatch` (a mixin of
 :class:`agent_env.engines.hf.HFEngine`, which holds that state) appends freshly prefilled rows,
+prefilling them first (:meth:`RunningBatch._prefill`: fresh rows from their first token, rows that
+continue a kept request on its keys/values, rows with the same tokens through the model once),
 left-padding whichever side is shorter (:meth:`RunningBatch._merge`), drops finished rows and trims
 the left columns that are padding for every row left (:meth:`RunningBatch._drop_rows`). Only
 full-attention caches (transformers >= 4.56 ``DynamicLayer``) can be merged this way.
@@ -68,9 +70,10 @@ def slack_layer_class() -> type:
 
             def update(self, key_states, value_states, *args, **kwargs):
                 t, n = self.keys.shape[-2], key_states.shape[-2]
-                views, bufs = self._views, self._bufs
-                fresh = views is None or views[0] is not self.keys or views[1] is not self.values
-                if fresh or bufs is None or bufs[0].shape[-2] < t + n or bufs[0].shape[0] != key_states.shape[0]:
+                views, bufs = self._views, self._bufs  # set together: views of bufs' first columns
+                # keys/values replaced from outside (a merge, a row drop, a trim), or no free column left
+                ours = views is not None and views[0] is self.keys and views[1] is self.values
+                if not ours or bufs[0].shape[-2] < t + n:
                     bufs = tuple(
                         old.new_empty((*old.shape[:-2], t + n + SLACK_COLUMNS, old.shape[-1]))
                         for old in (self.keys, self.values)
@@ -108,9 +111,13 @@ def zero_padding(cache, mask: torch.Tensor) -> None:
 
 
 class RunningBatch:
-    """The running batch's state and the row bookkeeping over it (mixed into HFEngine)."""
+    """The running batch's state and the row bookkeeping over it (mixed into HFEngine): admitting
+    prefilled rows, dropping finished ones. The engine supplies the model's forward and the sampler
+    (``_forward``, ``_accept``) and the weights' signature."""
 
+    model: Any
     device: torch.device
+    stats: dict[str, int]
     _active: list[Request]
     _cache: Any
     _mask: torch.Tensor | None
@@ -151,6 +158,79 @@ class RunningBatch:
         self._pos = torch.cat([self._pos, lengths])
         self._active.extend(reqs)
 
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Admit ``reqs``: those that continue a kept request on its keys/values, the rest from their
+        first token (two forwards at most; each group joins the running batch as it is prefilled)."""
+        fresh: list[tuple] = []  # (request, kept tokens, kept keys/values, their mask)
+        cont: list[tuple] = []
+        weights = self._weights_signature() if self._prefix.max_bytes else None
+        for r in reqs:
+            hit = self._prefix.take(r.prompt_ids + r.out_ids, weights)  # never one when the cache is off
+            (cont if hit else fresh).append((r, *hit) if hit else (r, 0, [], None))
+        for group in (fresh, cont):
+            if group:
+                self._prefill_group(group)
+
+    def _prefill_group(self, group: list[tuple]) -> None:
+        from transformers import DynamicCache
+
+        reqs = [r for r, *_ in group]
+        seqs = [r.prompt_ids + r.out_ids for r in reqs]  # out_ids is non-empty after a weight update
+        # Rows with the same tokens (the n samples of one prompt; samples that wrote the same turn)
+        # go through the model once and are copied.
+        index: dict[tuple[tuple[int, ...], int], int] = {}
+        inverse = [index.setdefault((tuple(s), g[1]), len(index)) for s, g in zip(seqs, group)]
+        rows = []  # the first row of each distinct sequence, in order (its id is its place here)
+        for i, j in enumerate(inverse):
+            if j == len(rows):
+                rows.append(i)
+        past = [group[i][1] for i in rows]  # tokens kept for each row
+        kept = [group[i][3].shape[0] if group[i][3] is not None else 0 for i in rows]  # their columns
+        new = [seqs[i][n:] for i, n in zip(rows, past)]
+        p_width, width = max(kept), max(map(len, new))
+        b = len(rows)
+        ids = torch.zeros((b, width), dtype=torch.long)
+        mask = torch.zeros((b, p_width + width), dtype=torch.long)
+        pos = torch.zeros((b, width), dtype=torch.long)
+        for i, (s, n, w) in enumerate(zip(new, past, kept)):
+            ids[i, width - len(s) :] = torch.tensor(s)
+            if w:  # the kept keys/values' columns, left-padded to p_width
+                mask[i, p_width - w : p_width] = group[rows[i]][3].cpu()
+            mask[i, p_width + width - len(s) :] = 1
+            pos[i, width - len(s) :] = torch.arange(n, n + len(s))
+        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        if p_width:
+            pad = torch.nn.functional.pad
+            for layer, _ in enumerate(cache_layers(cache)):
+                keys = torch.cat([pad(group[i][2][layer][0], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
+                values = torch.cat([pad(group[i][2][layer][1], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
+                cache.update(keys, values, layer)
+            self.stats["prefix_hits"] += len(group)
+            self.stats["prefix_tokens"] += sum(g[1] for g in group)
+        logits, cache = self._forward(ids, mask, pos, cache)
+        zero_padding(cache, mask)
+        if p_width:  # close the gaps between kept and new columns: the row's columns, right-aligned
+            order = torch.argsort(mask, dim=1, stable=True)  # padding first, then the row's own in order
+            mask = mask.gather(1, order)
+            start = int(mask.argmax(dim=1).min())  # the first column any row uses
+            order, mask = order[:, start:], mask[:, start:]
+            for layer in cache_layers(cache):
+                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        if b < len(group):
+            expand = torch.tensor(inverse, device=self.device)
+            logits, mask = logits.index_select(0, expand), mask.index_select(0, expand)
+            for layer in cache_layers(cache):
+                layer.keys, layer.values = layer.keys.index_select(0, expand), layer.values.index_select(0, expand)
+        self.stats["prefills"] += 1
+        self.stats["prefilled_tokens"] += sum(map(len, new))
+        self.stats["prefill_rows_shared"] += len(group) - b
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        self._merge(reqs, cache, mask, lengths)
+        first = len(self._active) - len(reqs)
+        self._accept(reqs, logits, rows=range(first, first + len(reqs)))
+
     def _keep_for_next_turn(self, rows: list[int]) -> None:
         """Store the keys/values of the rows that finished a turn (stop or length) in the prefix cache:
         each row from its first real column (with the padding columns inside it, masked)."""
@@ -176,6 +256,12 @@ class RunningBatch:
             prefix.put(tokens, kv, self._mask[i, start:].clone(), weights)
 
     def _weights_signature(self) -> Any:
+        raise NotImplementedError
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, rows: range) -> list[int]:
         raise NotImplementedError
 
     def _drop_rows(self, rows: list[int]) -> None:
