@@ -12,7 +12,7 @@ per second for the rollout (sampled tokens) and the update (prompt + response to
 forward and backward), with the share of padding in the actor's batches. The first step is
 reported apart: it pays one-time costs (sandbox workers, allocator warm-up).
 
-The phases are disjoint and cover the loop (``otb_tir.trainer.trainer.STEP_PHASES``): the rollout
+The phases are disjoint and cover the loop (``otb_tir.trainer.timing.STEP_PHASES``): the rollout
 split into generating / waiting on tools / reward scoring / other host work / collate, then the
 old log-prob pass (log-prob, entropy and Σπ² in one pass), reference model, advantage, update,
 weight sync, metrics, the rest of the step, evaluation, writing the row (JSONL, TensorBoard,
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from otb_tir.trainer.trainer import AFTER_ROW_PHASES, STEP_PHASES, phase_name
+from otb_tir.trainer.timing import AFTER_ROW_PHASES, STEP_PHASES, phase_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -226,7 +226,7 @@ def test_sigkill_then_resume_loses_no_step(tmp_path, tiny_model_dir):
 def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_dir):
     """Each row names the disjoint phases of its step; the rollout's five parts add up to the
     rollout, the step's parts to the step, and the run totals to the rows (plus log/checkpoint)."""
-    from otb_tir.trainer.trainer import AFTER_ROW_PHASES, STEP_PHASES, step_time_summary
+    from otb_tir.trainer.timing import AFTER_ROW_PHASES, STEP_PHASES, step_time_summary
 
     tr = _trainer(tmp_path, tiny_model_dir, ["trainer.total_steps=2", "trainer.save_every=1"])
     rows = tr.fit(progress=False)

@@ -1,0 +1,94 @@
+"""A training step's phases and their timer: the disjoint phases of one iteration (the
+``timing/*_s`` metrics), the one context-manager timer that measures them, and the run's summary of
+where the training loop's time went (``summary.json``'s ``timing``, ``benchmarks/profile_step.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Mapping
+
+# The disjoint phases of one training iteration, in order. The first five split timing/rollout_s:
+# generating (some generate call in flight), waiting on tools (no generate, some tool call in
+# flight), reward scoring (neither, the reward function runs), the rest of the episodes' host work
+# (parsing, chat templates, tokenizing, scheduling) and padding the batch (collate). Then the
+# old log-prob pass (log-prob, entropy and Σπ² together), the reference model, the advantage
+# (reward placement, IS weights, estimator, filters), the PPO update, the weight sync, the step's
+# metrics, what lies between those timers (timing/step_other_s), the held-out evaluation, and
+# after the row is complete, writing it and the checkpoint.
+STEP_PHASES = (
+    "timing/gen_s",
+    "timing/tool_wait_s",
+    "timing/reward_s",
+    "timing/rollout_other_s",
+    "timing/collate_s",
+    "timing/old_log_prob_s",
+    "timing/ref_s",
+    "timing/advantage_s",
+    "timing/update_s",
+    "timing/weight_sync_s",
+    "timing/metrics_s",
+    "timing/step_other_s",
+    "timing/eval_s",
+)
+AFTER_ROW_PHASES = ("timing/log_s", "timing/checkpoint_s")
+
+
+def rollout_phases(stats: Mapping[str, float], rollout_s: float) -> dict[str, float]:
+    """Split a rollout's wall time into the first five of :data:`STEP_PHASES` (they sum to it)."""
+    parts = {
+        "timing/gen_s": float(stats.get("generating_s", 0.0)),
+        "timing/tool_wait_s": float(stats.get("waiting_on_tools_s", 0.0)),
+        "timing/reward_s": float(stats.get("scoring_s", 0.0)),
+        "timing/collate_s": float(stats.get("collate_s", 0.0)),
+    }
+    parts["timing/rollout_other_s"] = max(rollout_s - sum(parts.values()), 0.0)
+    return parts
+
+
+def phase_name(key: str) -> str:
+    """``timing/update_s`` → ``update``: a phase's name in summaries and tables."""
+    return key.removeprefix("timing/").removesuffix("_s")
+
+
+def step_time_summary(totals: Mapping[str, float], fit_s: float) -> dict[str, Any]:
+    """Seconds and share of the training loop per phase; ``unattributed_s`` is what no timer saw."""
+    phases = {phase_name(k): float(totals.get(k, 0.0)) for k in STEP_PHASES + AFTER_ROW_PHASES}
+    attributed = sum(phases.values())
+    return {
+        "fit_s": fit_s,
+        "phases_s": phases,
+        "shares": {k: v / fit_s if fit_s > 0 else 0.0 for k, v in phases.items()},
+        "unattributed_s": fit_s - attributed,
+    }
+
+
+def format_step_time(summary: Mapping[str, Any]) -> str:
+    """:func:`step_time_summary` as an aligned text table, largest phase first."""
+    rows = sorted(summary["phases_s"].items(), key=lambda kv: -kv[1])
+    fit = summary["fit_s"]
+    lines = [f"  {name:<14} {sec:9.2f} s {100 * sec / fit if fit > 0 else 0.0:6.1f} %" for name, sec in rows if sec > 0]
+    lines.append(f"  {'(unattributed)':<14} {summary['unattributed_s']:9.2f} s")
+    lines.append(f"  {'training loop':<14} {fit:9.2f} s")
+    return "\n".join(lines)
+
+
+class PhaseTimer:
+    """Wall seconds per phase: ``with timer("update"):`` adds the block's seconds to
+    ``seconds["timing/update_s"]``; :meth:`elapsed` is the time since the timer was made."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing/{phase}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
