@@ -30,7 +30,8 @@ observation the model reads, and counts it. Parsers never raise on model text.
   (or ``to=`` in the header's role part, as openai-harmony renders it), ended by ``<|call|>``; analysis
   and final messages are not calls. Results go back as ``tool`` messages with the tool's ``name``,
   which the template renders as ``<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>...<|end|>``.
-  Needs the ``harmony`` extra (``openai-harmony``) for its message types; see :class:`HarmonyParser`.
+  Needs the ``harmony`` extra (``openai-harmony``) for its message types; see
+  :class:`agent_env.parser_harmony.HarmonyParser`.
 
 A parser may define ``tool_messages(records, calls) -> list[dict]``: the messages the episode appends
 after a turn, one per call, from the episode's ``ToolCallRecord`` s (``.name``, ``.text`` after
@@ -225,14 +226,14 @@ class CodeBlockParser:
 # ----------------------------------------------------------------------------- shared helpers
 
 
-#: The built-in formats by import path (the families' module is imported when one is used).
+#: The built-in formats by import path (a family's module is imported when one of its formats is used).
 PARSERS: dict[str, str] = {
     "hermes": f"{__name__}:HermesParser",
     "code_block": f"{__name__}:CodeBlockParser",
     "llama3_json": "agent_env.parser_families:Llama3JsonParser",
     "mistral": "agent_env.parser_families:MistralParser",
     "qwen3_coder": "agent_env.parser_families:Qwen3CoderParser",
-    "harmony": "agent_env.parser_families:HarmonyParser",
+    "harmony": "agent_env.parser_harmony:HarmonyParser",
 }
 
 

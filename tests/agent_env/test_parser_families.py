@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from agent_env import AgentEnv, EnvError, EpisodeConfig
-from agent_env.parser_families import HarmonyParser, Llama3JsonParser, MistralParser, Qwen3CoderParser
+from agent_env.parser_families import Llama3JsonParser, MistralParser, Qwen3CoderParser
+from agent_env.parser_harmony import HarmonyParser
 from agent_env.parsers import ParsedCall, get_parser
 from tests.agent_env.test_episode import ScriptedEngine, _index_after_turn, run
 from tools.base import Tool, ToolResult
