@@ -33,29 +33,36 @@ them on its command line: ``key=value`` for a key verl has, ``+key=value`` to ad
 ``++key=value`` to add or override, ``~key`` to delete, ``group=option`` to pick a config group. They
 are checked by hydra's composition of verl's own config before anything else happens (a key verl
 does not have, or a value of the wrong kind, is a :class:`ConfigError`), and applied last, so they
-win over the values this module derives from the recipe.
+win over the values this module derives from the recipe (that machinery, and the hydra composition of
+verl's config, is :mod:`otb_tir.verl.compose_overrides`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
 from otb_tir.builders import policy_path
 from otb_tir.verl import require_verl
+from otb_tir.verl.compose_overrides import (
+    apply_user_overrides,
+    check_override_kinds,
+    compose_base,
+    is_group_override,
+    parse_overrides,
+    set_verl_key,
+    user_overrides,
+)
 from otb_tir.verl.hooks import OTB_ESTIMATORS  # the one spelling (hooks: imported in verl's workers too)
 from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
 from otb_tir.verl.reward_fn import REWARD_ENV
 from tools import DEFAULT_TOOLS
 from tools.plugins import absolute_path_name
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "ASYNC_MAX_OFF_POLICY",
@@ -65,7 +72,6 @@ __all__ = [
     "rollout_is",
     "trainer_description",
     "validate_verl_config",
-    "verl_config_dir",
     "verl_device",
     "with_v1_modes",
 ]
@@ -82,119 +88,6 @@ DEFAULT_PROMPT_LENGTH = 1024
 # trainer.loggers → verl's trainer.logger; jsonl and tensorboard are written by our hooks in the TaskRunner
 # (otb_tir.verl.hooks: the local trainer's MetricsLogger, so both trainers write the same files)
 _LOGGERS = {"console": "console", "wandb": "wandb", "jsonl": None, "tensorboard": None}
-
-
-def verl_config_dir() -> Path:
-    """verl's ``trainer/config`` folder (ppo_trainer.yaml and its defaults)."""
-    verl = require_verl()
-    return Path(verl.__file__).resolve().parent / "trainer" / "config"
-
-
-def _compose_base(overrides: Sequence[str]) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-        try:
-            return compose(config_name="ppo_trainer", overrides=list(overrides))
-        except Exception as exc:  # hydra's OverrideParseException, ConfigCompositionException, ...
-            msg = " ".join(str(exc).split())
-            raise ConfigError(
-                f"verl {require_verl().__version__} rejected the overrides {list(overrides)}: {msg}"
-            ) from None
-
-
-def _user_overrides(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
-    items = [*(OmegaConf.select(cfg, "verl.overrides", default=None) or []), *overrides]
-    bad = [o for o in items if not isinstance(o, str) or ("=" not in o and not o.startswith("~"))]
-    if bad:
-        raise ConfigError(f"verl overrides must look like key=value (a key of verl's ppo_trainer config), got {bad}")
-    return list(items)
-
-
-def _parse_overrides(items: Sequence[str]) -> list:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(items))
-    except Exception as exc:  # hydra's OverrideParseException
-        raise ConfigError(f"bad verl override in {list(items)}: {exc}") from None
-    sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
-    if sweeps:
-        raise ConfigError(f"verl overrides take one value each (no sweeps): {sweeps}")
-    return parsed
-
-
-def _is_group_override(o) -> bool:
-    return o.package is not None or (isinstance(o.value(), str) and (verl_config_dir() / o.key_or_group).is_dir())
-
-
-def _kind(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, (dict, DictConfig)):
-        return "mapping"
-    if isinstance(value, (list, tuple, ListConfig)):
-        return "list"
-    return "str"
-
-
-def _check_override_kinds(base: DictConfig, parsed: list) -> None:
-    """A value of the wrong kind for verl's key (a word for a number, a scalar for a section...)."""
-    for o in parsed:
-        if o.is_delete() or _is_group_override(o):
-            continue
-        if not _exists(base, o.key_or_group) or OmegaConf.is_missing(base, o.key_or_group):
-            continue
-        current = OmegaConf.select(base, o.key_or_group)
-        have, want = _kind(o.value()), _kind(current)
-        if have is None or want is None or have == want or (want == "str" and have in ("number", "bool")):
-            continue
-        default = (
-            ""
-            if want == "mapping"
-            else f" (default {OmegaConf.to_container(current) if want == 'list' else current!r})"
-        )
-        raise ConfigError(
-            f"verl override {o.input_line!r}: verl's '{o.key_or_group}' is a {want}{default}, got a {have}"
-        )
-
-
-def _apply_user_overrides(vcfg: DictConfig, parsed: list) -> None:
-    """Re-apply the (already validated) user overrides on top of the recipe's values."""
-    for o in parsed:
-        if _is_group_override(o):
-            continue
-        key = o.key_or_group
-        if o.is_delete():
-            parent, _, leaf = key.rpartition(".")
-            node = OmegaConf.select(vcfg, parent) if parent else vcfg
-            if isinstance(node, DictConfig) and leaf in node:
-                with open_dict(node):
-                    del node[leaf]
-            continue
-        recipe_value = OmegaConf.select(vcfg, key, default=None)
-        OmegaConf.update(vcfg, key, o.value(), merge=True, force_add=True)
-        logger.info("verl override %s (the recipe had %r)", o.input_line, recipe_value)
-
-
-def _set(vcfg: DictConfig, key: str, value: Any) -> None:
-    """Set an *existing* verl key (a typo in a key name fails loudly)."""
-    if not _exists(vcfg, key):
-        raise ConfigError(f"verl {require_verl().__version__} has no config key '{key}'")
-    OmegaConf.update(vcfg, key, value, merge=False)
-
-
-def _exists(vcfg: DictConfig, key: str) -> bool:
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(vcfg, parent) if parent else vcfg
-    return isinstance(node, DictConfig) and leaf in node.keys()  # (`in node` is False for ??? values)
 
 
 def _check_supported(cfg: DictConfig) -> None:
@@ -298,11 +191,11 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     _check_supported(cfg)
     # The user's verl overrides are checked first (hydra composes verl's config with them), before
     # the data files and the warm-started model are prepared.
-    user = _user_overrides(cfg, overrides)
-    parsed = _parse_overrides(user)
-    _compose_base(user)  # hydra checks every override against verl's config (unknown keys, bad syntax)
-    v = _compose_base([o.input_line for o in parsed if _is_group_override(o)])
-    _check_override_kinds(v, parsed)
+    user = user_overrides(cfg, overrides)
+    parsed = parse_overrides(user)
+    compose_base(user)  # hydra checks every override against verl's config (unknown keys, bad syntax)
+    v = compose_base([o.input_line for o in parsed if is_group_override(o)])
+    check_override_kinds(v, parsed)
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     train_files, val_files = _data_files(cfg, out)
@@ -411,7 +304,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     if unknown_loggers:
         raise ConfigError(f"trainer.loggers {unknown_loggers} have no verl counterpart; valid: {sorted(_LOGGERS)}")
     for key, value in settings.items():
-        _set(v, key, value)
+        set_verl_key(v, key, value)
     if cpu is None:
         cpu = verl_device(cfg) == "cpu"
     if cpu:  # no accelerator: what verl and vLLM-CPU need (otb_tir.verl.cpu); the user's overrides still win
@@ -422,7 +315,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
             if key.startswith("+"):
                 OmegaConf.update(v, key[1:], value, merge=False, force_add=True)
             else:
-                _set(v, key, value)
+                set_verl_key(v, key, value)
     with open_dict(v):
         runtime_env = v.ray_kwargs.ray_init.runtime_env
         current = runtime_env.get("env_vars")
@@ -439,7 +332,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         # our V1 trainer modes in every verl process (the verl.plugins entry point does it too, once installed)
         env_vars["VERL_USE_EXTERNAL_MODULES"] = with_v1_modes(env_vars.get("VERL_USE_EXTERNAL_MODULES"))
         runtime_env["env_vars"] = env_vars
-    _apply_user_overrides(v, parsed)
+    apply_user_overrides(v, parsed)
     from otb_tir.verl.v1 import check_bypass
 
     try:
