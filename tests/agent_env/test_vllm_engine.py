@@ -225,7 +225,7 @@ def test_update_name_check_against_checkpoint_shapes() -> None:
     import torch
 
     from agent_env.engines import EngineError
-    from agent_env.engines.vllm import check_update_names
+    from agent_env.engines.vllm_weights import check_update_names
 
     shapes = {"model.embed_tokens.weight": (10, 4), "model.norm.weight": (4,)}
     check_update_names([("model.norm.weight", torch.zeros(4))], shapes, tied=False)  # a subset is fine
@@ -239,7 +239,7 @@ def test_update_name_check_against_checkpoint_shapes() -> None:
 
 def test_sampling_translation_is_pure_and_checked() -> None:
     from agent_env.engines import EngineError, SamplingParams
-    from agent_env.engines.vllm import to_vllm_sampling_params
+    from agent_env.engines.vllm_sampling import to_vllm_sampling_params
 
     kw = to_vllm_sampling_params(
         SamplingParams(max_tokens=50, temperature=0.7, stop=["</tool_call>"], stop_token_ids=[9], seed=4),

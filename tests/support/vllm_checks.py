@@ -60,7 +60,7 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_env.engines import SamplingParams, VLLMEngine
-    from agent_env.engines.vllm import _worker_reload
+    from agent_env.engines.vllm_weights import worker_reload
 
     res: dict[str, Any] = {"temperature": TEMPERATURE}
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -275,7 +275,7 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     # proving the checks above can fail. (The cache now holds new2's KV for long_prompt.)
     new3 = perturbed_state(hf_old, 0.5, seed=3)
     items3 = list(new3.items())
-    await engine._call(lambda: engine._llm.collective_rpc(_worker_reload, args=(items3,)))
+    await engine._call(lambda: engine._llm.collective_rpc(worker_reload, args=(items3,)))
     hf.load_state_dict(new3)
     stale = await engine.generate(long_prompt, sp_long)
     res["stale_cache_diff"] = max_diff(stale.logprobs, hf_logprobs(hf, long_prompt, stale.token_ids, TEMPERATURE))
