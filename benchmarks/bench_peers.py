@@ -903,8 +903,11 @@ def render_profile(rows: list[dict[str, Any]]) -> str:
 def verdict(rows: list[dict[str, Any]]) -> tuple[str, float]:
     ours = next((r for r in rows if r["trainer"] == "ours"), None)
     trl = next((r for r in rows if r["trainer"] == "trl"), None)
-    if not ours or not trl or math.isnan(ours["samples_per_s"]) or math.isnan(trl["samples_per_s"]):
-        return "verdict: not measured (a trainer did not run)", math.nan
+    if not ours or not trl:
+        missing = " and ".join(name for name, row in (("ours", ours), ("trl", trl)) if not row)
+        return f"verdict: not measured ({missing} not among --trainers: the target compares ours with trl)", math.nan
+    if math.isnan(ours["samples_per_s"]) or math.isnan(trl["samples_per_s"]):
+        return "verdict: not measured (a trainer's runs failed: see its log in results.json)", math.nan
     ratio = ours["samples_per_s"] / trl["samples_per_s"]
     acc_ok = not (ours["after_mean"] < trl["after_mean"])
     speed_ok = ratio >= TARGET

@@ -196,7 +196,8 @@ def test_figures_skip_the_first_step_and_the_verdict_needs_speed_and_accuracy():
     assert bp.verdict(rows)[0].startswith("verdict: NOT MET")
     failed = bp.summarize("trl", [{"error": "rc=1", "seed": 0}], 16, 0.3)
     assert math.isnan(failed["samples_per_s"]) and failed["failed"] == [{"seed": 0, "error": "rc=1"}]
-    assert "not measured" in bp.verdict([rows[0], failed])[0]
+    assert "runs failed" in bp.verdict([rows[0], failed])[0]
+    assert "trl not among --trainers" in bp.verdict([rows[0]])[0]  # an A/B of our own rows: no verdict
     table = bp.render_table(rows, [], bp.QUICK)
     assert "0.30 → 0.60 [0.50, 0.70]" in table and "tool tokens in loss" in table
 
