@@ -247,6 +247,13 @@ def batch_metrics(data: Any) -> dict[str, float]:
     out["response/length_mean"] = float(inside.sum(-1).mean())
     out["response/policy_tokens_mean"] = float(mask.sum(-1).mean())
     out["response/tool_token_share"] = float((inside - mask).sum() / inside.sum().clamp(min=1))
+    if "rollout_log_probs" in b.keys() and "old_log_probs" in b.keys():
+        from otb_tir.verl.v1_metrics import prob_diff_by_lag
+
+        # the legacy trainer is synchronous: every row came from the weights the actor held (lag 0), so
+        # |π_rollout − π_actor| is the engines' numerical difference when the weight sync took effect
+        lag_0 = [{"min_global_steps": 0}] * mask.shape[0]
+        out.update(prob_diff_by_lag(lag_0, 1, b["old_log_probs"], b["rollout_log_probs"], mask))
     if "advantages" in b.keys():
         a = b["advantages"][mask.bool()]
         if a.numel():

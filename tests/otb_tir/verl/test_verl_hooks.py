@@ -4,6 +4,8 @@ metric names the verl run shares with the local trainer."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -156,6 +158,28 @@ def test_batch_metrics_pool_the_agent_loops_counts_with_the_local_definition():
     for k, v in tool_metrics(trajs).items():
         assert mine[k] == pytest.approx(v, nan_ok=True), k
     assert mine["reward/mean"] == pytest.approx(float(data.batch["token_level_scores"].sum(-1).mean()))
+
+
+def test_legacy_batch_metrics_measure_the_weight_sync_on_policy_tokens():
+    """The legacy trainer is synchronous: every row is at lag 0, and |π_rollout − π_actor| is averaged
+    over the policy tokens only (tool tokens and padding left out), checked by brute force."""
+    data, _ = _advantage(_batch(3, groups=2, n=2))
+    b = data.batch
+    mask = b["response_mask"].float()
+    assert "sync/tokens_lag_0" not in batch_metrics(data)  # no rollout log-probs: nothing to compare
+    gen = torch.Generator().manual_seed(0)
+    b["old_log_probs"] = -torch.rand(mask.shape, generator=gen)
+    b["rollout_log_probs"] = -torch.rand(mask.shape, generator=gen)
+    mine = batch_metrics(data)
+    diffs = [
+        abs(math.exp(float(b["rollout_log_probs"][i, j])) - math.exp(float(b["old_log_probs"][i, j])))
+        for i in range(mask.shape[0])
+        for j in range(mask.shape[1])
+        if mask[i, j]
+    ]
+    assert mine["sync/tokens_lag_0"] == len(diffs) > 0
+    assert mine["sync/prob_diff_mean_lag_0"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
+    assert not any(k.startswith("sync/") and not k.endswith("_lag_0") for k in mine)
 
 
 def test_verl_metric_names_map_to_the_local_trainers():
