@@ -33,6 +33,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from otb_tir.verl.v1_metrics import prob_diff_by_lag
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ContractError", "Progress", "check_contract", "contested_tokens", "install", "translate_metrics"]
@@ -248,8 +250,6 @@ def batch_metrics(data: Any) -> dict[str, float]:
     out["response/policy_tokens_mean"] = float(mask.sum(-1).mean())
     out["response/tool_token_share"] = float((inside - mask).sum() / inside.sum().clamp(min=1))
     if "rollout_log_probs" in b.keys() and "old_log_probs" in b.keys():
-        from otb_tir.verl.v1_metrics import prob_diff_by_lag
-
         # the legacy trainer is synchronous: every row came from the weights the actor held (lag 0), so
         # |π_rollout − π_actor| is the engines' numerical difference when the weight sync took effect
         lag_0 = [{"min_global_steps": 0}] * mask.shape[0]
