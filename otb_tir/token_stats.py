@@ -257,9 +257,10 @@ def token_stats_for_causal_lm(
     ``responses = input_ids[:, -R:]`` with the hidden states of the positions that predict them
     (``[:, -R-1:-1]``) against ``model.get_output_embeddings()`` — tied embeddings included. With
     ``fused=True`` this goes through :func:`token_stats_from_hidden` (no ``[B, R, V]`` logits);
-    ``fused=False`` applies the LM head and uses :func:`token_stats_from_logits`. Models whose
-    logits are not a plain linear map of the hidden state (soft-capping, logit scaling) need
-    ``fused=False``.
+    ``fused=False`` takes the logits from the model's own ``forward`` (``logits_to_keep`` = the
+    response positions) and uses :func:`token_stats_from_logits`: whatever the model applies after
+    its LM head (Gemma2's soft-capping, Cohere's and Granite's logit scaling) is applied. Models
+    whose logits are not a plain linear map of the hidden state need ``fused=False``.
     """
     if isinstance(response_length, bool) or not isinstance(response_length, int):
         raise ConfigError(f"response_length must be an int, got {response_length!r}")
@@ -281,21 +282,29 @@ def token_stats_for_causal_lm(
             if val not in (None, 1, 1.0):
                 raise ConfigError(
                     f"{type(model).__name__} sets config.{attr}={val!r}: its logits are not "
-                    "hidden @ W.T, so the fused path does not apply; pass fused=False"
+                    "hidden @ W.T, so the fused path does not apply; pass fused=False "
+                    "(actor.fused_token_stats=false), which takes the logits from the model's own forward"
                 )
+    if not fused:  # the model's own forward: soft-capping / logit scaling applied as the model does
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=r + 1,
+        )
+        labels = input_ids[:, input_ids.shape[1] - r :]
+        return token_stats_from_logits(out.logits[:, :-1, :], labels, temperature, chunk)
     backbone = model.get_decoder()
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     labels = input_ids[:, input_ids.shape[1] - r :]
     h = hidden[:, hidden.shape[1] - r - 1 : hidden.shape[1] - 1, :]
-    if fused:
-        weight, bias = head.weight, getattr(head, "bias", None)
-        weight, bias = _full(weight), _full(bias)
-        if weight.dtype != h.dtype:  # e.g. an fp32 head under autocast: score as nn.Linear would
-            h = h.to(weight.dtype)
-        return token_stats_from_hidden(h, weight, labels, temperature, chunk, bias=bias)
-    logits = head(h)
-    return token_stats_from_logits(logits, labels, temperature, chunk)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    weight, bias = _full(weight), _full(bias)
+    if weight.dtype != h.dtype:  # e.g. an fp32 head under autocast: score as nn.Linear would
+        h = h.to(weight.dtype)
+    return token_stats_from_hidden(h, weight, labels, temperature, chunk, bias=bias)
 
 
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:

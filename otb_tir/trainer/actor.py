@@ -154,7 +154,10 @@ class _Sums:
         world: int,
         device: torch.device,
     ) -> None:
-        """The PPO loss of micro-batch ``mrows`` on its token statistics ``st``, backward, summed."""
+        """The PPO loss of micro-batch ``mrows`` on its token statistics ``st``, backward, summed. The
+        truncated IS weights (``batch["rollout_is_weights"]``, set when ``algorithm.rollout_is``)
+        multiply the per-token surrogate."""
+        is_w = batch.get("rollout_is_weights")
         out = ppo_policy_loss(
             st.log_probs.float(),
             batch["old_log_probs"][mrows].to(device),
@@ -168,6 +171,7 @@ class _Sums:
             entropy=st.entropy.float(),
             entropy_coef=s.entropy_coeff,
             num_tokens=num_tokens / world,  # FSDP averages gradients over ranks: × world undoes it
+            rollout_is_weights=None if is_w is None else is_w[mrows].to(device),
         )
         out.loss.backward()
         self.loss["actor/pg_loss"] += float(out.pg_loss)
@@ -178,8 +182,10 @@ class _Sums:
         self.n_micro += 1
 
     def optimizer_step(self, model, optimizer, s: ActorSettings) -> None:
-        """Clip the gradient norm and step (skipped when the norm is not finite)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        """Clip the gradient norm and step (skipped when the norm is not finite). ``grad_clip`` 0 is
+        off: the norm is still measured (max norm ∞ scales by 1), the gradient is left as it is."""
+        max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: already the global norm
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)

@@ -125,7 +125,7 @@ class AlgorithmConfig:
     # tir_optimal_token_baseline | optimal_token_baseline | grpo | rloo, one registered with
     # otb_tir.advantage.register_estimator, an `otb_tir.estimators` entry point, or pkg.mod:fn / file.py:fn
     adv_estimator: str = "tir_optimal_token_baseline"
-    handle_zero_tail: bool = True  # OTB: as verl's handle_zero_tail (zero baseline past a row's last policy token)
+    handle_zero_tail: bool = True  # OTB, as verl's: baseline 0 on a group's unique longest row past its runner-up
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's reward std
     # truncated token-level IS weights π_old/π_rollout passed to the estimator and the loss; null = auto:
     # on in verl's asynchronous trainer modes (their samples are off-policy), off otherwise

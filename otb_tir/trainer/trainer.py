@@ -192,6 +192,8 @@ class Trainer:
                 loss_mask, filter_metrics = filter_loss_mask(batch, s.filters)
                 t["advantages"] = adv.float() * loss_mask
                 t["loss_mask"] = loss_mask
+                if is_weights is not None:  # the loss multiplies its per-token surrogate by them, as verl's
+                    t["rollout_is_weights"] = is_weights
 
         if one_forward:  # exactly on-policy: the update's own forward gives the old statistics
             with timer("update"):
@@ -211,6 +213,7 @@ class Trainer:
                     actor_metrics = ppo_update(self.model, self.optimizer, tensors, minis, s.actor, ref)
         actor_metrics["actor/one_forward"] = float(one_forward)
         loss_mask = tensors["loss_mask"]
+        lr_used = self.optimizer.param_groups[0]["lr"]  # this step's rate, before the scheduler moves it
         with timer("update"):
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -245,7 +248,7 @@ class Trainer:
                     gradient_norm=actor_metrics.get("actor/grad_norm"),
                 )
             )
-            metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+            metrics["actor/lr"] = lr_used
             metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
             metrics["rollout/sampled_tokens_per_s"] = batch.stats.get("sampled_tokens_per_s", float("nan"))
             # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)

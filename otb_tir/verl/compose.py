@@ -228,8 +228,10 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "actor_rollout_ref.actor.clip_ratio_low": float(a.clip_ratio_low),
         "actor_rollout_ref.actor.clip_ratio_high": float(a.clip_ratio_high),
         "actor_rollout_ref.actor.clip_ratio_c": float(a.clip_ratio_c),
-        "actor_rollout_ref.actor.grad_clip": float(a.grad_clip),
-        "actor_rollout_ref.actor.optim.clip_grad": float(a.grad_clip),
+        # 0 = off, as on the local trainer: verl clips with max_norm=clip_grad, which at 0 zeroes every
+        # gradient (verl 0.9.1 workers/engine/fsdp/transformer_impl.py ~806); ∞ measures the norm, clips nothing
+        "actor_rollout_ref.actor.grad_clip": float(a.grad_clip) if a.grad_clip > 0 else float("inf"),
+        "actor_rollout_ref.actor.optim.clip_grad": float(a.grad_clip) if a.grad_clip > 0 else float("inf"),
         "actor_rollout_ref.actor.use_kl_loss": bool(a.use_kl_loss),
         "actor_rollout_ref.actor.kl_loss_coef": float(a.kl_loss_coef),
         "actor_rollout_ref.actor.entropy_coeff": float(a.entropy_coeff),
@@ -333,6 +335,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         env_vars["VERL_USE_EXTERNAL_MODULES"] = with_v1_modes(env_vars.get("VERL_USE_EXTERNAL_MODULES"))
         runtime_env["env_vars"] = env_vars
     apply_user_overrides(v, parsed)
+    check_untruncated_sampling(v)  # also with the user's overrides applied
     from otb_tir.verl.v1 import check_bypass
 
     try:
@@ -340,6 +343,24 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return v
+
+
+def check_untruncated_sampling(v: DictConfig) -> None:
+    """Refuse nucleus / top-k sampling in training rollouts: verl asks vLLM for its processed
+    log-probs (the truncated, renormalised distribution) while the actor's old log-probs are the full
+    softmax's, so at lag 0 the IS ratio π_old/π_rollout is the kept mass S_t ≤ 1, not 1, and no
+    reweighting recovers the expectation under π_old (verl issue #6240). Validation sampling
+    (``val_kwargs``) trains nothing and is not checked."""
+    ro = v.actor_rollout_ref.rollout
+    top_p, top_k = float(ro.get("top_p", 1.0)), int(ro.get("top_k", -1))
+    if top_p < 1.0 or top_k > 0:
+        which = f"rollout.top_p={top_p:g}" if top_p < 1.0 else f"rollout.top_k={top_k}"
+        raise ConfigError(
+            f"{which} (actor_rollout_ref.rollout.{which.split('.')[1]}) with trainer=verl: verl's rollout "
+            "reports the truncated, renormalised log-probs while its actor computes full-softmax ones, so "
+            "the IS ratio at lag 0 is the kept probability mass, not 1, and the update is biased (verl "
+            "#6240). Sample with rollout.top_p=1 rollout.top_k=-1 (temperature still applies)"
+        )
 
 
 def with_v1_modes(modules: Any) -> str:

@@ -459,3 +459,34 @@ def test_causal_lm_bad_arguments():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ConfigError, match="fused=False"):
         token_stats_for_causal_lm(model, input_ids, attention_mask, position_ids, 3)
+
+
+def test_causal_lm_softcapped_unfused_equals_model_forward():
+    """Gemma2 soft-caps its logits inside ``forward`` (after the LM head): the refusal's remedy,
+    ``fused=False``, must score the model's own logits, not ``head(hidden)`` (which it once did)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        final_logit_softcapping=0.5,  # small: every logit is bent, so a missing cap shows
+    )
+    model = Gemma2ForCausalLM(cfg).eval()
+    input_ids, attention_mask, position_ids = _batch()
+    r, temp = 9, 0.8
+    with pytest.raises(ConfigError, match="own forward"):
+        token_stats_for_causal_lm(model, input_ids, attention_mask, position_ids, r, temperature=temp)
+    got = token_stats_for_causal_lm(model, input_ids, attention_mask, position_ids, r, temperature=temp, fused=False)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    assert_stats_close(got, ref_stats(logits[:, -r - 1 : -1].float(), input_ids[:, -r:], temp), atol=1e-5)
+    # the control: the head alone (no cap) gives other statistics, so the check above can fail
+    h = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)[0]
+    uncapped = ref_stats(model.get_output_embeddings()(h[:, -r - 1 : -1]).float(), input_ids[:, -r:], temp)
+    assert (got.log_probs - uncapped.log_probs).abs().max() > 1e-2

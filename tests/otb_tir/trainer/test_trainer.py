@@ -288,3 +288,69 @@ def test_padding_trim_gives_the_untrimmed_stats_and_gradients(tiny_model_factory
     gf = torch.autograd.grad((full.log_probs * rmask).sum(), params)
     for x, y in zip(ga, gf):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_grad_clip_zero_is_off_and_the_weights_move(tmp_path, tiny_model_dir):
+    """``actor.grad_clip=0`` is documented "off": the step must move the weights by the unclipped
+    gradient (clip_grad_norm_(…, 0) once scaled every gradient by 0 while grad_norm looked normal)."""
+    tr = _trainer(tmp_path, tiny_model_dir, ["actor.grad_clip=0"])
+    before = torch.cat([p.detach().flatten().clone() for p in tr.model.parameters()])
+    m = tr.train_step().metrics
+    after = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+    assert m["actor/grad_norm"] > 0
+    # AdamW's first step moves a weight with a gradient by ~lr = 1e-2
+    assert (after - before).abs().max() > 1e-3
+    asyncio_close(tr)
+
+
+@pytest.mark.slow
+def test_rollout_is_weights_reach_the_loss_and_lr_is_the_rate_used(tmp_path, tiny_model_dir, monkeypatch):
+    """``algorithm.rollout_is=true`` on the local trainer: the truncated IS weights π_old/π_rollout
+    multiply the loss's per-token surrogate (pg_loss checked by hand), and ``actor/lr`` is the rate
+    the optimizer stepped with (the scheduler's warmup moves it after the step)."""
+    from otb_tir.trainer import actor as actor_mod
+    from otb_tir.trainer.ppo import truncated_is_weights
+
+    tr = _trainer(tmp_path, tiny_model_dir, ["algorithm.rollout_is=true", "actor.optim.warmup_steps=4"])
+    seen, used_lr = [], []
+    real_loss, real_step = actor_mod.ppo_policy_loss, tr.optimizer.step
+
+    def loss_spy(*args, **kw):
+        seen.append((args, kw))
+        return real_loss(*args, **kw)
+
+    def step_spy(*a, **k):
+        used_lr.append(tr.optimizer.param_groups[0]["lr"])
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(actor_mod, "ppo_policy_loss", loss_spy)
+    monkeypatch.setattr(tr.optimizer, "step", step_spy)
+    real_rollout = tr._rollout
+
+    def skewed_rollout(*a, **k):  # rollout log-probs off by up to ±0.5: IS weights well away from 1
+        b = real_rollout(*a, **k)
+        t = b.tensors
+        noise = torch.rand(t["rollout_log_probs"].shape, generator=torch.Generator().manual_seed(3)) - 0.5
+        t["rollout_log_probs"] = t["rollout_log_probs"] + noise * t["response_mask"].float()
+        return b
+
+    tr._rollout = skewed_rollout
+    m = tr.train_step().metrics
+    assert len(seen) == 1 and len(used_lr) == 1  # SMALL's step is one forward, one optimizer step
+    (_log_probs, old, adv, loss_mask), kw = seen[0][0], seen[0][1]
+    b = tr.batch.tensors
+    mask = b["response_mask"].float()
+    want_w = truncated_is_weights(old, b["rollout_log_probs"], mask, tr.settings.rollout_is_threshold)
+    assert kw.get("rollout_is_weights") is not None, "the IS weights never reached the loss"
+    torch.testing.assert_close(kw["rollout_is_weights"], want_w)
+    assert (want_w[mask.bool()] - 1).abs().max() > 0.1
+    # on-policy (ratio 1): pg_loss = −Σ adv·w / Σ mask over the loss mask
+    by_hand = float(-(adv * want_w * loss_mask).sum() / loss_mask.sum())
+    unweighted = float(-(adv * loss_mask).sum() / loss_mask.sum())
+    assert m["actor/pg_loss"] == pytest.approx(by_hand, rel=1e-4, abs=1e-7)
+    assert abs(by_hand - unweighted) > 1e-4
+    # warmup of 4: the first step's rate is lr/4, the next step's lr/2
+    assert used_lr[0] == pytest.approx(1e-2 / 4)
+    assert m["actor/lr"] == pytest.approx(used_lr[0])
+    asyncio_close(tr)

@@ -4,11 +4,13 @@ TaskRunner that installs the plugin first. Ray and training are never started he
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 pytest.importorskip("verl")
@@ -410,3 +412,39 @@ def test_a_gpu_run_never_imports_the_cpu_layer(tiny_model_dir, tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ("rollout.top_p=0.9", "rollout.top_p=0.9"),
+        ("rollout.top_k=20", "rollout.top_k=20"),
+        ("verl.actor_rollout_ref.rollout.top_p=0.5", "rollout.top_p=0.5"),  # through verl's own key too
+    ],
+)
+def test_truncated_sampling_is_refused_naming_the_key(tiny_model_dir, tmp_path, extra, named):
+    """verl's rollout reports truncated, renormalised log-probs; its actor's are full-softmax: the lag-0
+    IS ratio would be the kept mass, not 1 (measured: prob_diff_mean_lag_0 0.0078 at top_p=0.9 vs
+    0.0016 at 1). Refused at start, before any work, naming the key."""
+    from otb_tir.verl.compose import compose_verl_config
+
+    with pytest.raises(ConfigError, match=rf"{re.escape(named)} .*IS ratio.*top_p=1 rollout.top_k=-1"):
+        compose_verl_config(_cfg(tiny_model_dir, tmp_path, extra))
+    compose_verl_config(_cfg(tiny_model_dir, tmp_path, "rollout.top_p=1.0", "rollout.top_k=-1"))
+
+
+def test_grad_clip_zero_is_off_on_the_verl_path(tiny_model_dir, tmp_path):
+    """``actor.grad_clip=0`` means off; verl clips with max_norm=clip_grad (0 would zero every gradient),
+    so the composed config carries ∞, which verl's dataclass takes and torch's clip leaves unscaled."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from otb_tir.verl.compose import compose_verl_config
+
+    v = compose_verl_config(_cfg(tiny_model_dir, tmp_path, "actor.grad_clip=0"))
+    clip = omega_conf_to_dataclass(v.actor_rollout_ref.actor).optim.clip_grad
+    assert clip == float("inf")
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    norm = torch.nn.utils.clip_grad_norm_([p], clip)
+    assert float(norm) == pytest.approx(6.0) and torch.equal(p.grad, torch.full((4,), 3.0))
+    assert compose_verl_config(_cfg(tiny_model_dir, tmp_path)).actor_rollout_ref.actor.optim.clip_grad == 1.0
