@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.optional import need
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_peers.py"
 
@@ -25,7 +27,7 @@ PROMPT = [{"role": "user", "content": "Compute 585 times 93."}]
 
 
 def _trl():
-    return pytest.importorskip("trl", reason="TRL is not installed: pip install 'otb-tir[peers]'")
+    return need("trl", reason="TRL is not installed: pip install 'otb-tir[peers]'")
 
 
 def _trl_suffix_ids(tokenizer, tool_messages):

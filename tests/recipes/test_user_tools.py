@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.optional import need
 from tests.support.user_runs import TRAIN, read_log
 
 PLUGIN = Path(__file__).resolve().parents[1] / "data" / "plugins" / "lookup_plugin.py"
@@ -350,7 +351,7 @@ def test_user_plugins_under_verls_agent_loop_worker(policy, user, monkeypatch, t
     """verl's real AgentLoopWorker builds our agent loop from the composed config; the agent loop
     assembles the same tool set (the user's stateful YAML tool, or the installed entry-point tool)
     and runs the tool-caller policy."""
-    pytest.importorskip("verl")
+    need("verl")
     import asyncio
 
     import numpy as np

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tools
+from tests.support.optional import need
 from tools import ErrorKind, Tool, ToolError, ToolResult, get_tool, list_tools, load_tools, register_tool, tool
 from tools.decorator import function_schema
 from tools.registry import unregister_tool
@@ -519,7 +520,7 @@ def test_load_tools_missing_file(tmp_path):
 
 def test_verl_base_tool_through_yaml_matches_verl_loader(tmp_path):
     """verl's own BaseTool, loaded from the same YAML by our loader and by verl's."""
-    pytest.importorskip("verl.tools.base_tool")
+    need("verl.tools.base_tool")
     from verl.tools.tool_registry import initialize_tools_from_config
 
     path = _write_yaml(

@@ -20,13 +20,14 @@ from otb_tir.advantage import (
     tir_optimal_token_baseline,
 )
 from otb_tir.layout import pack_policy_tokens, unpack_policy_tokens
+from tests.support.optional import need
 
 SETTINGS = settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
 def verl_algos():
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl==0.9.1 is the test oracle")
+    core_algos = need("verl.trainer.ppo.core_algos", reason="verl==0.9.1 is the test oracle")
     return core_algos
 
 

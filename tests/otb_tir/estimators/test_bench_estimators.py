@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.optional import need
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -86,7 +88,7 @@ def _verl_advantages(name: str, inp: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("with_is", [False, True])
 def test_paired_proxies_equal_verls_on_each_estimators_own_advantages(bench, with_is):
-    pytest.importorskip("verl", reason="verl==0.9.1 is the test oracle")
+    need("verl", reason="verl==0.9.1 is the test oracle")
     from verl import DataProto
     from verl.trainer.ppo.metric_utils import compute_variance_proxy_metrics
 

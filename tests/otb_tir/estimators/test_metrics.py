@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from otb_tir import ConfigError
 from otb_tir.advantage import grpo, optimal_token_baseline
 from otb_tir.metrics import advantage_stats, variance_proxy_metrics
+from tests.support.optional import need
 
 
 @pytest.fixture(scope="module")
 def verl_metrics():
-    metric_utils = pytest.importorskip("verl.trainer.ppo.metric_utils", reason="verl==0.9.1 is the test oracle")
+    metric_utils = need("verl.trainer.ppo.metric_utils", reason="verl==0.9.1 is the test oracle")
     from verl import DataProto
 
     return metric_utils.compute_variance_proxy_metrics, DataProto

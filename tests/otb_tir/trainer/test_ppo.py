@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otb_tir.trainer.ppo import kl_low_var, masked_mean, ppo_policy_loss, truncated_is_weights
+from tests.support.optional import need
 
 
 @pytest.fixture(scope="module")
 def verl_core():
-    pytest.importorskip("verl")
+    need("verl")
     from verl.trainer.ppo import core_algos
 
     return core_algos

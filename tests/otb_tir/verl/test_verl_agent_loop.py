@@ -17,7 +17,9 @@ from collections import Counter
 import pytest
 import torch
 
-pytest.importorskip("verl")
+from tests.support.optional import need
+
+need("verl")
 
 from tests.support.verl_agent_loop import HFServerManager, _gen_batch  # noqa: E402
 

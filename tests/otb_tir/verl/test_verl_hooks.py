@@ -12,7 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("verl")
+from tests.support.optional import need
+
+need("verl")
 
 from otb_tir.verl.hooks import ContractError, batch_metrics, check_contract, translate_metrics  # noqa: E402
 

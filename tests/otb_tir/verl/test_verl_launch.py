@@ -13,7 +13,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-pytest.importorskip("verl")
+from tests.support.optional import need
+
+need("verl")
 
 from otb_tir import ConfigError  # noqa: E402
 

@@ -13,7 +13,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("verl")
+from tests.support.optional import need
+
+need("verl")
 
 SCRIPT = textwrap.dedent(r'''
     import json, sys

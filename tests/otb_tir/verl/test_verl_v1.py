@@ -17,8 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("verl")
-pytest.importorskip("transfer_queue")
+from tests.support.optional import need
+
+need("verl")
+need("transfer_queue")
 
 from otb_tir.verl import v1  # noqa: E402
 
