@@ -11,40 +11,12 @@ import re
 import string
 from typing import Any, Iterable, Sequence
 
-from agent_env.parsers import _MALFORMED, ParsedCall
+from agent_env.parsers import ParsedCall, _call_from_object, _malformed
 
 __all__ = ["Llama3JsonParser", "MistralParser", "Qwen3CoderParser"]
 
 
 _DECODER = json.JSONDecoder()
-
-
-def _malformed(name: str | None, raw: str, message: str) -> ParsedCall:
-    return ParsedCall(name, raw=raw, error=_MALFORMED, error_message=message)
-
-
-def _call_from_object(obj: Any, raw: str, *, args_keys: Sequence[str], shape: str) -> ParsedCall:
-    """A call from a decoded JSON object ``{"name": ..., <args key>: {...}}``: the checks every
-    JSON-based format shares (an object, a non-empty ``name`` string, arguments an object or a
-    JSON string of one)."""
-    if not isinstance(obj, dict):
-        return _malformed(None, raw, f"tool call must be a JSON object {shape}")
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return _malformed(None, raw, 'tool call has no "name" string')
-    key = next((k for k in args_keys if k in obj), args_keys[0])
-    args = obj.get(key, {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return _malformed(name, raw, f'"{key}" is a string that is not valid JSON: {e}')
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        return _malformed(name, raw, f'"{key}" must be a JSON object')
-    call_id = obj.get("id")
-    return ParsedCall(name, arguments=args, raw=raw, id=call_id if isinstance(call_id, str) else None)
 
 
 def _skip_ws(text: str, pos: int) -> int:

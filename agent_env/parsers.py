@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from agent_env import EnvError
 from tools.plugins import Registry
@@ -76,6 +76,34 @@ class ParsedCall:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def _malformed(name: str | None, raw: str, message: str) -> ParsedCall:
+    return ParsedCall(name, raw=raw, error=_MALFORMED, error_message=message)
+
+
+def _call_from_object(obj: Any, raw: str, *, args_keys: Sequence[str], shape: str) -> ParsedCall:
+    """A call from a decoded JSON object ``{"name": ..., <args key>: {...}}``: the checks every
+    JSON-based format shares (an object, a non-empty ``name`` string, arguments an object or a
+    JSON string of one)."""
+    if not isinstance(obj, dict):
+        return _malformed(None, raw, f"tool call must be a JSON object {shape}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return _malformed(None, raw, 'tool call has no "name" string')
+    key = next((k for k in args_keys if k in obj), args_keys[0])
+    args = obj.get(key, {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            return _malformed(name, raw, f'"{key}" is a string that is not valid JSON: {e}')
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return _malformed(name, raw, f'"{key}" must be a JSON object')
+    call_id = obj.get("id")
+    return ParsedCall(name, arguments=args, raw=raw, id=call_id if isinstance(call_id, str) else None)
 
 
 class ToolCallParser(Protocol):
@@ -156,33 +184,10 @@ class HermesParser:
         try:
             obj = json.loads(body.strip())
         except json.JSONDecodeError as e:
-            return ParsedCall(None, raw=raw, error=_MALFORMED, error_message=f"tool call is not valid JSON: {e}")
-        if not isinstance(obj, dict):
-            return ParsedCall(
-                None,
-                raw=raw,
-                error=_MALFORMED,
-                error_message='tool call must be a JSON object {"name": ..., "arguments": {...}}',
-            )
-        name = obj.get("name")
-        if not isinstance(name, str) or not name:
-            return ParsedCall(None, raw=raw, error=_MALFORMED, error_message='tool call has no "name" string')
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                return ParsedCall(
-                    name,
-                    raw=raw,
-                    error=_MALFORMED,
-                    error_message=f'"arguments" is a string that is not valid JSON: {e}',
-                )
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            return ParsedCall(name, raw=raw, error=_MALFORMED, error_message='"arguments" must be a JSON object')
-        return ParsedCall(name, arguments=args, raw=raw)
+            return _malformed(None, raw, f"tool call is not valid JSON: {e}")
+        return _call_from_object(
+            obj, raw, args_keys=("arguments", "parameters"), shape='{"name": ..., "arguments": {...}}'
+        )
 
     def format_observation(self, text: str) -> str:
         return text

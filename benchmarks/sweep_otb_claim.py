@@ -471,13 +471,19 @@ def main(argv: list[str] | None = None) -> int:
             run_one(out, task, arm, seed, settings, log)
         log(f"sweep: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s")
     report = summarize(out, args.tasks, arms, args.seeds)
+    return write_report(out, report, tables, plot, Path(args.plot) if args.plot else out / "accuracy_vs_tokens.png")
+
+
+def write_report(out: Path, report: dict, tables_fn, plot_fn, png: Path) -> int:
+    """A sweep's ending (this script's and sweep_stability's): ``table.md``, ``results.json`` and the
+    plot from the finished runs' ``report``, the table printed; 1 when no run has finished yet."""
     if not report:
         print("no finished runs yet", file=sys.stderr)
         return 1
-    text = tables(report)
+    text = tables_fn(report)
     (out / "table.md").write_text(text)
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
-    png = plot(report, Path(args.plot) if args.plot else out / "accuracy_vs_tokens.png")
+    png = plot_fn(report, png)
     print(text)
     print(f"plot: {png}")
     return 0

@@ -340,16 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             run_one(out, TASK, arm, seed, stress_settings if arm.lr_scale != 1 else long_settings, log)
         log(f"stability: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s")
     report = summarize(out, chosen, args.seeds)
-    if not report:
-        print("no finished runs yet", file=sys.stderr)
-        return 1
-    text = tables(report)
-    (out / "table.md").write_text(text)
-    (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
-    png = plot(report, Path(args.plot) if args.plot else out / "stability.png")
-    print(text)
-    print(f"plot: {png}")
-    return 0
+    return _claim.write_report(out, report, tables, plot, Path(args.plot) if args.plot else out / "stability.png")
 
 
 if __name__ == "__main__":

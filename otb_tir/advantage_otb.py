@@ -11,9 +11,9 @@
 k-th *policy* token of each row (tool tokens do not shift a row against the others in its group).
 Groups of one sample get baseline 0 (advantage = return); rows without policy tokens stay zero
 (and, in the TIR variant, do not count as group members). With ``handle_zero_tail`` the part of
-a group's unique longest row beyond the second-longest length gets baseline 0. Group sums are
-``bincount``/``index_add_`` over dense group ids, the TIR compaction uses
-:class:`otb_tir.layout.PolicyLayout`, and on CPU the fused kernel (:mod:`otb_tir.fused`) computes
+a group's unique longest row beyond the second-longest length gets baseline 0. Per-position group
+sums are ``bincount`` over dense keys (group · R + position), the TIR variant's positions come from
+:func:`otb_tir.layout.policy_counts_into` (the running count of policy tokens), and on CPU the fused kernel (:mod:`otb_tir.fused`) computes
 the same in the same floating-point order where it applies.
 """
 

@@ -13,6 +13,7 @@ from agent_env import AgentEnv, EnvError, EpisodeConfig, rollout
 from agent_env.engines.base import GenerationOutput
 from agent_env.rollout import collate, run_sync
 from tests.agent_env.test_episode import ScriptedEngine, tc
+from tests.support.batch_logprobs import recomputed_at_real_turns
 
 
 @pytest.fixture(scope="module")
@@ -264,20 +265,8 @@ def test_token_drift_and_logprobs_on_the_real_model(tiny_tokenizer, tiny_model, 
         assert final[len(stream) :] in ("\n", "<|im_end|>\n")  # sampled stop token, or a cut turn
     assert n_checked >= len(trajs)
     # log-probs recomputed over the collated batch, as the trainer does
-    with torch.no_grad():
-        logits = tiny_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-        ).logits.float()
-    P = batch["prompts"].shape[1]
-    lp = torch.log_softmax(logits[:, P - 1 : -1] / temperature, dim=-1)
-    recomputed = lp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    recomputed, sel = recomputed_at_real_turns(tiny_model, batch, trajs, real, temperature)
     mask = batch["response_mask"].bool()
-    real_positions = torch.zeros_like(mask)
-    for i, t in enumerate(trajs):
-        for turn in t.turns:
-            if tuple(t.prompt_ids + t.response_ids[: turn.start]) in real:
-                real_positions[i, turn.start : turn.end] = True
-    sel = mask & real_positions
     assert sel.sum() > 100
     err = (recomputed[sel] - batch["rollout_log_probs"][sel]).abs().max().item()
     assert err < 1e-4, err  # measured: ~1e-6 (fp32)

@@ -439,20 +439,10 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
         }
     )
     # log-probs recomputed over the collated batch (left-padded prompts, masks, position ids)
-    with torch.no_grad():
-        logits = hf(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-        ).logits.float()
-    P = batch["prompts"].shape[1]
-    lp = torch.log_softmax(logits[:, P - 1 : -1] / TEMPERATURE, dim=-1)
-    recomputed = lp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    from batch_logprobs import recomputed_at_real_turns  # this script's sibling (tests/support/)
+
+    recomputed, sel = recomputed_at_real_turns(hf, batch, trajs, eng.real, TEMPERATURE)
     mask = batch["response_mask"].bool()
-    real_pos = torch.zeros_like(mask)
-    for i, t in enumerate(trajs):
-        for turn in t.turns:
-            if tuple(t.prompt_ids + t.response_ids[: turn.start]) in eng.real:
-                real_pos[i, turn.start : turn.end] = True
-    sel = mask & real_pos
     res["real_positions"] = int(sel.sum())
     res["max_logprob_diff_vs_hf_batch"] = (
         float((recomputed[sel] - batch["rollout_log_probs"][sel]).abs().max()) if sel.any() else None
