@@ -39,8 +39,7 @@ _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pools: dict[int, ThreadPoolExecutor] = {}  # by size (_executor)
 
 
 def _compiler() -> str | None:
@@ -115,14 +114,14 @@ def fused_available() -> bool:
 
 
 def _executor(n: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+    """The pool of ``n`` threads, one per size asked (at most the thread count, so a few): a pool is
+    never shut down, so a call that took one can always use it while another call asks for another
+    size (replacing a single pool once shut it under a concurrent caller's ``map``)."""
     with _lock:
-        if _pool is None or _pool_size != n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="otb-fused")
-            _pool_size = n
-        return _pool
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="otb-fused")
+        return pool
 
 
 @torch.no_grad()

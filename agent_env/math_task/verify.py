@@ -85,17 +85,22 @@ class _Child:
         _CHILDREN.discard(self)
 
     def verify(self, pred: str, gold: str, timeout: float) -> dict[str, Any]:
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        assert self.proc is not None and self.proc.stdin is not None
         msg = json.dumps({"pred": pred, "gold": gold, "timeout": max(1, int(round(timeout)))}) + "\n"
-        try:
-            self.proc.stdin.write(msg.encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self.kill()
-            self._start()
-            return self.verify(pred, gold, timeout)
+        for attempt in range(2):  # a child found dead is replaced once; a fresh one dying too is an error
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            assert self.proc is not None and self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(msg.encode())
+                self.proc.stdin.flush()
+                break
+            except (BrokenPipeError, OSError):
+                self.kill()
+                if attempt:
+                    raise RuntimeError(
+                        "the math-verify helper process died before reading its request, twice in a row "
+                        "(a fresh one too): is something killing it (memory limit, OOM killer)?"
+                    ) from None
         line = self._readline(time.monotonic() + timeout + KILL_GRACE_S)
         if line is None:
             self.kill()  # hung in sympy (or died): the next call starts a fresh child

@@ -9,6 +9,7 @@ import os
 import signal
 import string
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -158,3 +159,42 @@ def test_reward_benchmark_runs_and_both_scorers_agree():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "same reward on 64/64 responses" in out.stdout and "ms/sample" in out.stdout
+
+
+def test_a_helper_that_keeps_dying_is_an_error_not_a_recursion():
+    """A child found dead is replaced once; if the fresh one dies before reading the request too,
+    the call raises saying so (the retry used to recurse with no bound: ~1,000 process starts, then
+    RecursionError)."""
+    import subprocess
+    import sys
+
+    from agent_env.math_task import verify as v
+
+    starts = []
+
+    class DyingChild(v._Child):
+        def _start(self):  # says "ready", then exits before the request arrives
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", 'print(\'{"op": "ready"}\', flush=True)'],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
+            self.buf = b""
+            assert self._readline(time.monotonic() + 60) is not None
+            self.proc.wait(timeout=60)
+            starts.append(self.proc.pid)
+
+    child = DyingChild()
+    with pytest.raises(RuntimeError, match="died before reading its request, twice"):
+        child.verify("1", "1", 1.0)
+    assert len(starts) == 2
+    # a real child after one death: replaced once, the comparison goes through
+    real = v._Child()
+    try:
+        assert real.verify("1/2", "0.5", 5.0)["equal"] is True
+        real.proc.kill()
+        real.proc.wait(timeout=60)
+        assert real.verify("2", "2", 5.0)["equal"] is True
+    finally:
+        real.kill()

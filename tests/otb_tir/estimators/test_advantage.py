@@ -536,3 +536,15 @@ def test_kernel_build_is_cached_and_a_broken_compiler_falls_back(monkeypatch, tm
     with caplog.at_level("WARNING", logger="otb_tir.fused"):
         assert not fused.fused_available()
     assert any("simulated" in r.getMessage() for r in caplog.records)
+
+
+def test_fused_pools_of_other_sizes_never_shut_a_pool_a_caller_holds():
+    """Two calls splitting their groups over different thread counts: the second's pool must not shut
+    the first's while it maps (one replaced pool once raised "cannot schedule new futures after
+    shutdown" in the first caller)."""
+    from otb_tir import fused
+
+    held = fused._executor(2)  # a call took its pool ...
+    fused._executor(3)  # ... another call asks for another size ...
+    assert list(held.map(lambda x: x * 2, [1, 2, 3])) == [2, 4, 6]  # ... the first still maps
+    assert fused._executor(2) is held
