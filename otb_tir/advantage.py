@@ -23,8 +23,8 @@ back to the dtype verl would return).
 Every estimator is vectorized over rows and groups: uids are mapped to dense group ids with
 ``np.unique(..., return_inverse=True)``, group and per-position sums use ``torch.bincount`` on
 dense keys (``index_add_`` for a few per-group counts), the TIR variant indexes each row's k-th
-policy token through :func:`otb_tir.layout.policy_counts_into`. The results equal verl 0.9.1's estimators (tests use verl as
-the oracle).
+policy token through :func:`otb_tir.layout.policy_counts_into`. The results equal verl 0.9.1's
+estimators (tests use verl as the oracle).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ Groups of one sample get baseline 0 (advantage = return); rows without policy to
 (and, in the TIR variant, do not count as group members). With ``handle_zero_tail`` the part of
 a group's unique longest row beyond the second-longest length gets baseline 0. Per-position group
 sums are ``bincount`` over dense keys (group · R + position), the TIR variant's positions come from
-:func:`otb_tir.layout.policy_counts_into` (the running count of policy tokens), and on CPU the fused kernel (:mod:`otb_tir.fused`) computes
-the same in the same floating-point order where it applies.
+:func:`otb_tir.layout.policy_counts_into` (the running count of policy tokens), and on CPU the
+fused kernel (:mod:`otb_tir.fused`) computes the same in the same floating-point order where it
+applies.
 """
 
 from __future__ import annotations
