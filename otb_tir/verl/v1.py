@@ -167,7 +167,7 @@ class OTBTrainerMixin:
         if self._otb_run and not self._otb_in_loop and metrics:  # before training: logged by verl's fit only
             from otb_tir.verl.hooks import translate_metrics
 
-            self._otb_run.sink.log(translate_metrics(metrics), step=int(self.global_steps))  # type: ignore[attr-defined]
+            self._otb_run.log(translate_metrics(metrics), int(self.global_steps), before_fit=True)  # type: ignore[attr-defined]
         return metrics
 
     def _save_checkpoint(self) -> Any:
@@ -327,7 +327,7 @@ class OTBTrainerMixin:
         if self._otb_run:
             from otb_tir.verl.hooks import translate_metrics
 
-            self._otb_run.sink.log(translate_metrics(metrics), step=int(global_steps))
+            self._otb_run.log(translate_metrics(metrics), int(global_steps))
         return out
 
     def _otb_batch_metrics(self, batch: Any, grad_norm: Any, global_steps: int) -> dict[str, float]:
@@ -391,6 +391,19 @@ class _RecipeRun:
         self.sink = MetricsLogger(
             Path(out), loggers=sorted({"jsonl", *loggers} - {"console"}), plot_every=1, resume=resume
         )
+        self._rewind = resume  # the first row of a resumed run decides what the killed run's rows keep
+
+    def log(self, metrics: dict, step: int, *, before_fit: bool = False) -> None:
+        """One row of ``metrics.jsonl`` (and TensorBoard, the curves). A resumed run restarts at its
+        checkpoint's step k: its first row drops the killed run's rows past k (steps it re-does), and
+        the validation verl runs before resuming the loop, at step k, is not logged again when step
+        k already has its row (every step once; verl logs it a second time)."""
+        if self._rewind:
+            self._rewind = False
+            self.sink.truncate(step if before_fit else step - 1)
+            if before_fit and any(h["step"] == step for h in self.sink.history):
+                return
+        self.sink.log(metrics, step=step)
 
     @classmethod
     def from_env(cls) -> "_RecipeRun | None":

@@ -42,7 +42,8 @@ class HFServerManager:
             reply = f"The answer is \\boxed{{{results[-1].strip()}}}."
         else:
             expr = next(e for q, e in self.questions.items() if q in text)
-            reply = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expr
+            tool = getattr(self, "_script_tool", "calculator")  # a test may script a call to another tool
+            reply = '<tool_call>{"name": "%s", "arguments": {"expression": "%s"}}</tool_call>' % (tool, expr)
         return self.tokenizer.encode(reply, add_special_tokens=False) + [self.im_end]
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):

@@ -12,8 +12,10 @@ teacher-forced by the same model. The python and calculator tools are the real o
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +270,108 @@ def test_prompt_longer_than_verls_budget_is_skipped_not_truncated(verl_setup, ti
     assert b["prompts"].shape == (2, 32) and int(b["response_mask"].sum()) == 0
     assert int(b["attention_mask"][:, 32:].sum()) == 0 and float(b["rm_scores"].abs().sum()) == 0.0
     assert list(out.non_tensor_batch["otb_skipped"]) == ["prompt_too_long"] * 2
+
+
+STALL_TOOL = '''
+import asyncio, json, os
+from tools import tool
+
+
+@tool
+async def stall(expression: str) -> str:
+    """A calculator that never answers."""
+    with open(os.environ["STALL_LOG"], "a") as f:
+        f.write(json.dumps({"expression": expression}) + "\\n")
+    await asyncio.Event().wait()
+'''
+
+FLAKY_REWARD = '''
+import json, os
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Raises on one call, NaN on the next, and so on: a broken user reward."""
+    log = os.environ["REWARD_LOG"]
+    n = sum(1 for _ in open(log)) if os.path.exists(log) else 0
+    with open(log, "a") as f:
+        f.write(json.dumps({"call": n}) + "\\n")
+    if n % 2 == 0:
+        raise ValueError("the checker broke")
+    return float("nan")
+'''
+
+
+@pytest.mark.verl
+def test_a_hanging_tool_and_a_failing_reward_inside_verls_agent_loop_are_bounded_and_counted(
+    tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """verl's AgentLoopWorker running our agent loop with a user's tool that never answers and a user
+    reward that raises or returns NaN: every episode comes back (the tool call times out into an
+    error observation, the reward into reward 0 with its error kind), counted in the batch's reward
+    extra info as on the local path; the plugin's own logs show each was really called."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from agent_env.math_task.data import load_parquet
+    from otb_tir.trainer.config import load_config
+    from otb_tir.verl.agent_loop import close_cached_tools
+    from otb_tir.verl.compose import compose_verl_config
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "stall_tool.py").write_text(STALL_TOOL)
+    (user / "flaky_reward.py").write_text(FLAKY_REWARD)
+    monkeypatch.setenv("STALL_LOG", str(user / "stall.jsonl"))
+    monkeypatch.setenv("REWARD_LOG", str(user / "reward.jsonl"))
+    monkeypatch.chdir(user)  # relative plugin paths, as the user typed them
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "trainer=verl",
+            "rollout.name=vllm",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "data.train_size=6",
+            "data.val_size=2",
+            "rollout.n=2",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.response_length=160",
+            "rollout.max_tokens_per_turn=40",
+            "multi_turn.max_assistant_turns=3",
+            "trainer.n_gpus_per_node=1",
+            "multi_turn.tools=[stall_tool.py:stall]",
+            "multi_turn.tool_timeout=2",
+            "reward.custom_reward_function.path=flaky_reward.py",
+            "reward.timeout_seconds=5",
+        ],
+    )
+    vcfg = compose_verl_config(cfg)
+    monkeypatch.setenv("OTB_TIR_REWARD", vcfg.ray_kwargs.ray_init.runtime_env.env_vars["OTB_TIR_REWARD"])
+    items = load_parquet(vcfg.data.train_files[0])
+    questions = {it["extra_info"]["question"]: it["extra_info"]["expression"] for it in items}
+    manager = HFServerManager(tiny_model_dir, tiny_tokenizer, questions)
+    manager._script_tool = "stall"  # the scripted rows call the user's stalling tool
+
+    async def go():
+        worker = AgentLoopWorker(vcfg, llm_client=manager)
+        batch, _ = _gen_batch(vcfg, worker.tokenizer, 2, 2)
+        try:
+            return await worker.generate_sequences(batch)
+        finally:
+            await close_cached_tools()
+            if manager.engine is not None:
+                await manager.engine.close()
+
+    out = asyncio.run(go())
+    nt = out.non_tensor_batch
+    B = 4
+    stalled = [json.loads(x) for x in (user / "stall.jsonl").read_text().splitlines()]
+    assert len(stalled) == B // 2  # the scripted half called the tool, each call timed out
+    assert float(np.sum(np.asarray(nt["tool_kind_timeout"], float))) == B // 2
+    assert float(np.sum(np.asarray(nt["tool_calls"], float))) >= B // 2
+    calls = (user / "reward.jsonl").read_text().splitlines()
+    assert len(calls) == B  # the user's reward was called once per episode
+    errors = {k: float(np.sum(np.asarray(nt[f"reward_error_{k}"], float))) for k in ("exception", "nan")}
+    assert errors == {"exception": B / 2, "nan": B / 2}
+    rm = out.batch["rm_scores"]
+    assert torch.isfinite(rm).all() and float(rm.abs().sum()) == 0.0  # reward 0, never NaN, for every failure

@@ -362,3 +362,61 @@ def test_each_cpu_patch_is_needed_and_works(verl_python, tiny_model_dir, tmp_pat
     assert not results["unpatched"]["ok"] and error in results["unpatched"]["error"], results["unpatched"]
     assert results["patched"]["ok"], results["patched"].get("traceback")
     assert works(results["patched"]), results["patched"]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant, as a preempted node loses them (Ray's daemons too)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=60)
+
+
+def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(verl_python, tmp_path):
+    """``trainer=verl`` (V1 sync) SIGKILLed from outside once its step-2 checkpoint is on disk, then the
+    same command with ``trainer.resume=true``: exit 0, steps 1..4 in ``metrics.jsonl`` exactly once
+    (verl validates again at the restored step before its loop: that row is not logged twice), the
+    summary counts 4 steps and the resumed steps carry the trained actor on."""
+    import time
+
+    out = tmp_path / "run"
+    args = [*SMALL, "trainer.total_steps=4", "trainer.save_every=2", "eval.before=true", "eval.size=8"]
+    cmd = [verl_python, str(REPO / "recipes" / "train_tir_math.py"), "trainer=verl", f"trainer.output_dir={out}"]
+    latest = out / "checkpoints" / "latest_checkpointed_iteration.txt"
+    proc = subprocess.Popen(
+        [*cmd, *args], cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 780
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if latest.exists() and latest.read_text().strip() == "2":
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, "the run ended before its step-2 checkpoint: " + proc.stderr.read()[-6000:]
+        assert latest.exists() and latest.read_text().strip() == "2", "no step-2 checkpoint in 780 s"
+    finally:
+        _kill_tree(proc.pid)
+    proc.wait(timeout=60)
+    killed_rows = _rows(out)
+    assert max(r["step"] for r in killed_rows) >= 2  # the killed run had logged up to its checkpoint
+    resumed = _train(verl_python, tmp_path, out, *args, "trainer.total_steps=4", "trainer.resume=true")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-8000:]
+    rows = _rows(out)
+    logged = [r["step"] for r in rows]
+    assert logged == sorted(set(logged)), f"a step logged twice or out of order: {logged}"
+    assert sorted(_steps(out)) == [1, 2, 3, 4]
+    assert logged[0] == 0  # the held-out figure before training, logged once
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["after"]["step"] == 4
+    assert 0.0 <= summary["before"]["accuracy"] <= 1.0
+    steps = _steps(out)
+    assert steps[3]["actor/grad_norm"] > 0 and steps[4]["training/global_step"] == 4

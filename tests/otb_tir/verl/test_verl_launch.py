@@ -137,6 +137,12 @@ def test_the_cpu_profile_is_what_a_machine_without_an_accelerator_gets(tiny_mode
         assert OmegaConf.select(v, key.lstrip("+")) == value, key
     assert v.ray_kwargs.ray_init.address == "local"  # never another run's Ray cluster
     assert v.trainer.device == "cpu" and v.actor_rollout_ref.rollout.enable_sleep_mode is False
+    # the actor computes in float32 as the local trainer (verl's FSDP engine skips autocast at fp32)
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.torch_dtypes import PrecisionType
+
+    mp = omega_conf_to_dataclass(v.actor_rollout_ref.actor).fsdp_config.mixed_precision
+    assert PrecisionType.to_dtype(mp["param_dtype"]) == torch.float32
     info = prepare_verl(cfg)
     assert info["device"] == "cpu" and info["env"][ENV_FLAG] == "1" and info["env"]["VERL_PLATFORM"] == "cpu"
     assert "otb_tir.verl.cpu" in info["env"]["VERL_USE_EXTERNAL_MODULES"].split(",")
