@@ -82,7 +82,9 @@ class Progress:
         try:
             yield
         except BaseException:
-            failed = name
+            # the innermost phase still open: one verl opens and closes in two hooks (``gen``) is left
+            # open by the exception, and it is where the run failed
+            failed = self.stack[-1] if self.stack else name
             raise
         finally:
             self.leave(name, failed=failed)

@@ -171,6 +171,16 @@ class OTBTrainerMixin:
         return metrics
 
     def _save_checkpoint(self) -> Any:
+        # verl saves step k (trainer_base.fit, "2. save checkpoint") before it computes and logs step k's
+        # metrics ("5. record metrics"); a run killed in between would resume at k + 1 with step k's row
+        # never written. So the step's row is logged first (from copies of the step's metrics) and
+        # replaced by the full one (save time, validation) when verl computes it.
+        pending = getattr(self, "_otb_pending", None)
+        if self._otb_run and pending is not None:
+            batch, metrics, timing_raw = pending
+            gs = int(self.global_steps)  # type: ignore[attr-defined]
+            epoch = (gs - 1) // max(int(getattr(self, "steps_per_epoch", 1) or 1), 1)
+            self._compute_metrics(batch, dict(metrics), dict(timing_raw), gs, epoch)
         with self._otb_phase("save_checkpoint"):
             return super()._save_checkpoint()  # type: ignore[misc]
 
@@ -184,7 +194,9 @@ class OTBTrainerMixin:
         if self._otb_run:
             self._otb_run.progress.step = int(self.global_steps)  # type: ignore[attr-defined]
         with self._otb_phase("step"):
-            return super().step(metrics, timing_raw)  # type: ignore[misc]
+            batch = super().step(metrics, timing_raw)  # type: ignore[misc]
+        self._otb_pending = (batch, metrics, timing_raw)  # for the row logged before a checkpoint
+        return batch
 
     def on_sample_begin(self) -> None:
         self._otb_clock["sample_begin"] = time.perf_counter()
@@ -397,12 +409,15 @@ class _RecipeRun:
         """One row of ``metrics.jsonl`` (and TensorBoard, the curves). A resumed run restarts at its
         checkpoint's step k: its first row drops the killed run's rows past k (steps it re-does), and
         the validation verl runs before resuming the loop, at step k, is not logged again when step
-        k already has its row (every step once; verl logs it a second time)."""
+        k already has its row (every step once; verl logs it a second time). A row for the step
+        just logged replaces it (a step's row is logged before its checkpoint, then in full)."""
         if self._rewind:
             self._rewind = False
             self.sink.truncate(step if before_fit else step - 1)
             if before_fit and any(h["step"] == step for h in self.sink.history):
                 return
+        elif not before_fit and self.sink.history and self.sink.history[-1]["step"] == step:
+            self.sink.truncate(step - 1)  # the full row of a step logged early (before its checkpoint)
         self.sink.log(metrics, step=step)
 
     @classmethod

@@ -196,10 +196,12 @@ def test_the_batch_verl_built_keeps_the_multi_turn_contract(readme_run):
 # rewards has zero advantages and leaves nothing to sync; with 2 prompts that happened in CI at step 1, and
 # with 8 once too: the sync test then compares the rows after the first step that moved the actor). The
 # async mode runs 3 steps: its samples at step >= 2 can come from the weights before the last update.
+# sync's "synced" arm is the run killed and resumed twice (:func:`resumed_sync`, 4 steps): one start fewer,
+# and its rows after a resume show the rollout engine serving the restored weights.
 # The V1 modes run the control pair (the post-update sync skipped). The legacy trainer moves weights with
 # the same checkpoint manager and CPU worker extension; its control pair (measured 2026-12-04, docs/verl.md)
 # would add ~10 minutes of CI, so it runs one arm, for its contract and Σπ².
-MODES = {"colocate_async": 3, "sync": 3, "legacy": 2}
+MODES = {"colocate_async": 3, "sync": 4, "legacy": 2}
 HIGH_LR = [*SMALL, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.optim.lr=0.1"]
 
 
@@ -212,6 +214,9 @@ def mode_runs(request, verl_python, tmp_path_factory):
     arms = [("synced", {}), ("skipped", {**fault_env, "OTB_TIR_VERL_FAULT": "skip_post_update_sync"})]
     if mode == "legacy":
         arms = arms[:1]
+    if mode == "sync":  # the synced arm is the killed-and-resumed run (same settings, steps 1..4 once)
+        outs["synced"] = request.getfixturevalue("resumed_sync")[0]
+        arms = arms[1:]
     for name, env in arms:
         out = root / name
         proc = _train(
@@ -381,35 +386,114 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=60)
 
 
-def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(verl_python, tmp_path):
-    """``trainer=verl`` (V1 sync) SIGKILLed from outside once its step-2 checkpoint is on disk, then the
-    same command with ``trainer.resume=true``: exit 0, steps 1..4 in ``metrics.jsonl`` exactly once
-    (verl validates again at the restored step before its loop: that row is not logged twice), the
-    summary counts 4 steps and the resumed steps carry the trained actor on."""
+def _descendants(pid: int, needle: str) -> list:
+    import psutil
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for p in procs:
+        try:
+            if needle in " ".join(p.cmdline()) or needle in p.name():
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _wait_for(proc: subprocess.Popen, done, what: str, timeout: float = 780) -> None:
     import time
 
-    out = tmp_path / "run"
-    args = [*SMALL, "trainer.total_steps=4", "trainer.save_every=2", "eval.before=true", "eval.size=8"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if done():
+            return
+        time.sleep(0.5)
+    why = f"not within {timeout:.0f} s" if proc.poll() is None else "the run ended first"
+    _kill_tree(proc.pid)
+    pytest.fail(f"{what}: {why}\n" + proc.err_path.read_text()[-6000:])
+
+
+@pytest.fixture(scope="module")
+def resumed_sync(verl_python, tmp_path_factory):
+    """V1 ``sync`` at the high learning rate, 4 steps, checkpoints every 2, killed and resumed twice:
+
+    1. SIGKILLed from outside (the whole process tree) once its step-2 checkpoint is on disk;
+    2. resumed with ``trainer.resume=true``; during step 3's generation its vLLM rollout replica (the
+       Ray actor serving it) is SIGKILLed: the run must stop by itself, non-zero, naming the phase;
+    3. resumed again, to the end.
+
+    Its folder is also the sync mode's "synced" arm of :func:`mode_runs` (contract, Σπ², the weight
+    sync after a resume). Returns ``(out, facts)``."""
+    import json as _json
+
+    root = tmp_path_factory.mktemp("resumed_sync")
+    out = root / "run"
+    args = [*HIGH_LR, "verl.trainer_mode=sync", "trainer.total_steps=4", "trainer.save_every=2"]
+    args += ["eval.before=true", "eval.size=8"]
     cmd = [verl_python, str(REPO / "recipes" / "train_tir_math.py"), "trainer=verl", f"trainer.output_dir={out}"]
     latest = out / "checkpoints" / "latest_checkpointed_iteration.txt"
-    proc = subprocess.Popen(
-        [*cmd, *args], cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 780
+    facts: dict = {}
+
+    def popen(*extra: str) -> subprocess.Popen:
+        err_path = root / f"stderr{len(list(root.glob('stderr*')))}.txt"
+        with open(err_path, "w") as err:  # a file, not a pipe: verl prints more than a pipe holds
+            proc = subprocess.Popen([*cmd, *args, *extra], cwd=str(root), stdout=subprocess.DEVNULL, stderr=err)
+        proc.err_path = err_path
+        return proc
+
+    # 1. killed from outside after the step-2 checkpoint
+    first = popen()
+    _wait_for(first, lambda: latest.exists() and latest.read_text().strip() == "2", "no step-2 checkpoint")
+    _kill_tree(first.pid)
+    first.wait(timeout=60)
+    facts["killed_rows"] = _rows(out)
+
+    # 2. resumed; its rollout replica killed mid-step
+    progress = out / "progress.json"
+
+    def in_step3_generation() -> bool:
+        try:
+            p = _json.loads(progress.read_text())
+        except (OSError, ValueError):
+            return False
+        return p.get("phase") == "gen" and p.get("step") == 3
+
+    progress.unlink()  # the killed run's last phase (it may have been in step 3's generation too)
+    second = popen("trainer.resume=true")
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if latest.exists() and latest.read_text().strip() == "2":
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, "the run ended before its step-2 checkpoint: " + proc.stderr.read()[-6000:]
-        assert latest.exists() and latest.read_text().strip() == "2", "no step-2 checkpoint in 780 s"
+        _wait_for(second, in_step3_generation, "the resumed run never reached step 3's generation")
+        replicas = _descendants(second.pid, "vLLMHttpServer")
+        assert replicas, "no vLLM replica process found"
+        for r in replicas:
+            r.kill()
+        facts["fault_rc"] = second.wait(timeout=600)  # the watchdog's error grace bounds it
+    except subprocess.TimeoutExpired:
+        pytest.fail("the run did not stop within 600 s after its rollout replica died")
     finally:
-        _kill_tree(proc.pid)
-    proc.wait(timeout=60)
-    killed_rows = _rows(out)
-    assert max(r["step"] for r in killed_rows) >= 2  # the killed run had logged up to its checkpoint
-    resumed = _train(verl_python, tmp_path, out, *args, "trainer.total_steps=4", "trainer.resume=true")
+        _kill_tree(second.pid)
+    facts["fault_err"] = second.err_path.read_text()
+    facts["latest_after_fault"] = latest.read_text().strip()
+
+    # 3. resumed again, to the end
+    resumed = _train(verl_python, root, out, *args, "trainer.total_steps=4", "trainer.resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-8000:]
+    return out, facts
+
+
+def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(resumed_sync):
+    """After the SIGKILL and the replica's death: the resumed run exits 0 with steps 1..4 in
+    ``metrics.jsonl`` exactly once (verl validates again at the restored step before its loop: that
+    row is not logged twice), the summary counts 4 steps, and the replica's death stopped the run by
+    itself with an error naming the phase, its checkpoint intact."""
+    out, facts = resumed_sync
+    assert max(r["step"] for r in facts["killed_rows"]) >= 2  # the killed run had logged up to its checkpoint
+    err = facts["fault_err"]
+    assert facts["fault_rc"] != 0 and "verl run failed:" in err, err[-6000:]
+    assert "in phase 'gen' (step 3)" in err, err[-6000:]  # the phase the replica died in, not the step around it
+    assert facts["latest_after_fault"] == "2"
     rows = _rows(out)
     logged = [r["step"] for r in rows]
     assert logged == sorted(set(logged)), f"a step logged twice or out of order: {logged}"
@@ -418,5 +502,4 @@ def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(ve
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["after"]["step"] == 4
     assert 0.0 <= summary["before"]["accuracy"] <= 1.0
-    steps = _steps(out)
-    assert steps[3]["actor/grad_norm"] > 0 and steps[4]["training/global_step"] == 4
+    print("replica fault:", [line for line in err.splitlines() if "phase '" in line][:2])

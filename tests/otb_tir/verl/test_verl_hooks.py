@@ -199,3 +199,25 @@ def test_verl_metric_names_map_to_the_local_trainers():
     assert m["timing/gen_s"] == 1.5 and m["timing/update_weights_s"] == 0.1 and "timing/agent_loop/x/min_s" not in m
     assert m["timing/episode_tools_s"] == 0.2
     assert m["val/accuracy"] == 0.4 and m["actor/clip_frac"] == 0.1 and "text" not in m
+
+
+def test_progress_names_the_innermost_open_phase_that_failed(tmp_path):
+    """verl opens ``gen`` in one hook and closes it in another; an exception inside it (a rollout
+    replica that died) skips the closing hook. ``progress.json`` must name ``gen``, not the ``step``
+    around it, for the watchdog's error."""
+    import json as _json
+
+    from otb_tir.verl.hooks import Progress
+
+    p = Progress(tmp_path / "progress.json")
+    p.step = 3
+    with pytest.raises(RuntimeError):
+        with p.phase("step"):
+            p.enter("gen")
+            raise RuntimeError("the replica died")
+    row = _json.loads((tmp_path / "progress.json").read_text())
+    assert row["failed"] == "gen" and row["phase"] == "between_phases" and row["step"] == 3
+    with pytest.raises(RuntimeError):
+        with p.phase("update_actor"):
+            raise RuntimeError("oom")
+    assert _json.loads((tmp_path / "progress.json").read_text())["failed"] == "update_actor"

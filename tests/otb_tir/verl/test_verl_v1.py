@@ -345,3 +345,33 @@ def test_every_patch_in_the_code_has_its_row():
         if patches:
             assert path.stem in named, path
     assert all(g.why and g.upstream and g.kind in ("extension point", "patch", "config", "environment") for g in GLUE)
+
+
+def test_the_recipe_files_hold_every_step_once_across_kills_and_resumes(tmp_path):
+    """``metrics.jsonl`` of a verl run: a step's row logged before its checkpoint is replaced by the full
+    one; a resumed run (restarting after checkpoint k) drops the killed run's rows past k, and the
+    validation verl repeats at step k before its loop is not logged twice."""
+    import json as _json
+
+    from otb_tir.verl.v1 import _RecipeRun
+
+    def steps():
+        rows = [_json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r.get("kind")) for r in rows]
+
+    run = _RecipeRun(str(tmp_path), ["jsonl"], resume=False)
+    run.log({"kind": 0.0}, 0, before_fit=True)  # held-out before
+    for step in (1, 2, 3):
+        run.log({"kind": 1.0}, step)  # logged before the checkpoint
+        run.log({"kind": 2.0}, step)  # the full row
+    assert steps() == [(0, 0.0), (1, 2.0), (2, 2.0), (3, 2.0)]
+    # killed after checkpoint 2 (step 3 had been logged): resumed at 3, verl validates at 2 first
+    run = _RecipeRun(str(tmp_path), ["jsonl"], resume=True)
+    run.log({"kind": 0.0}, 2, before_fit=True)
+    run.log({"kind": 2.0}, 3)
+    run.log({"kind": 2.0}, 4)
+    assert steps() == [(0, 0.0), (1, 2.0), (2, 2.0), (3, 2.0), (4, 2.0)]
+    # killed between checkpoint 4 and step 4's full row: only the early row exists; no validation first
+    run = _RecipeRun(str(tmp_path), ["jsonl"], resume=True)
+    run.log({"kind": 2.0}, 5)
+    assert [s for s, _ in steps()] == [0, 1, 2, 3, 4, 5]
