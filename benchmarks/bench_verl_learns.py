@@ -49,6 +49,36 @@ def run_one(python: str, out: Path, args: list[str], timeout: float) -> tuple[di
     return json.loads(done.read_text()), wall, None
 
 
+def phase_table(root: Path, results: dict[str, list]) -> None:
+    """Where a step's time goes, per trainer, on these same runs: each phase's mean over the steps
+    after the first (bench_verl_phases.figures), then over the trainer's seeds; and verl's step as a
+    multiple of the local trainer's (the same batch: README command 1's)."""
+    import statistics
+
+    import bench_verl_phases as phases  # a sibling script (benchmarks/): the phase names and figures
+
+    done = [t for t in results if results[t]]
+    if not done:
+        return
+    figs = {t: [phases.figures(t, root / f"{t}-seed{seed}") for seed, *_ in results[t]] for t in done}
+
+    def mean(t: str, label: str) -> float | None:
+        vals = [f[label] for f in figs[t] if f.get(label) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    print("\nseconds per step, mean over the steps after the first and over the seeds:\n")
+    print("| phase | " + " | ".join(done) + " |")
+    print("|---" * (len(done) + 1) + "|")
+    for label, *_ in phases.PHASES:
+        cells = [mean(t, label) for t in done]
+        print(f"| {label} | " + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
+    local = mean("local", "step") if "local" in done else None
+    if local:
+        for t in done:
+            if t != "local" and mean(t, "step"):
+                print(f"{t}: step {mean(t, 'step') / local:.1f}x the local trainer's")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma-separated, of {list(TRAINERS)}")
@@ -102,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- {t} ({len(runs)} seed{'s' if len(runs) > 1 else ''}: {', '.join(str(s) for s, *_ in runs)}): "
             f"held-out {stats(before)} → {stats(after)}; wall time {stats(walls, '.0f')} s"
         )
+    phase_table(root, results)
     ref = speed_reference()
     print(f"\nmachine: {describe()}; speed reference {ref['matmul_gflops']:.0f} GFLOP/s; runs in {root}")
     for line in failed:

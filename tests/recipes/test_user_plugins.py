@@ -263,12 +263,10 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
 
     import numpy as np
     import torch
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     from otb_tir.trainer.config import load_config
-    from otb_tir.verl.agent_loop import close_cached_tools
     from otb_tir.verl.compose import compose_verl_config, validate_verl_config
-    from tests.support.verl_agent_loop import HFServerManager, _gen_batch
+    from tests.support.verl_agent_loop import HFServerManager, run_agent_loop
 
     for key, value in _env(user).items():
         if key in ("QUIZ_LOG", "EST_LOG", "PARSER_LOG"):
@@ -307,17 +305,7 @@ def test_the_task_reward_and_estimator_through_verls_real_workers(policy, user, 
     manager = HFServerManager(policy, AutoTokenizer.from_pretrained(policy), questions={})
     manager.scripted = lambda request_id: False
 
-    async def go():
-        worker = AgentLoopWorker(vcfg, llm_client=manager)
-        batch, _ = _gen_batch(vcfg, worker.tokenizer, 2, 2)
-        try:
-            return await worker.generate_sequences(batch)
-        finally:
-            await close_cached_tools()
-            if manager.engine is not None:
-                await manager.engine.close()
-
-    out = asyncio.run(go())
+    out = run_agent_loop(vcfg, manager)
     rewards = [e for e in read_log(user / "quiz.jsonl") if e["event"] == "reward"]
     assert len(rewards) == 4 and {e["pid"] for e in rewards} == {os.getpid()}
     assert {e["data_source"] for e in rewards} == {"quiz/capitals"} and all(e["num_tool_calls"] == 3 for e in rewards)

@@ -352,15 +352,12 @@ def test_user_plugins_under_verls_agent_loop_worker(policy, user, monkeypatch, t
     assembles the same tool set (the user's stateful YAML tool, or the installed entry-point tool)
     and runs the tool-caller policy."""
     need("verl")
-    import asyncio
 
     import numpy as np
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     from otb_tir.trainer.config import load_config
-    from otb_tir.verl.agent_loop import close_cached_tools
     from otb_tir.verl.compose import compose_verl_config, validate_verl_config
-    from tests.support.verl_agent_loop import HFServerManager, _gen_batch
+    from tests.support.verl_agent_loop import HFServerManager, run_agent_loop
 
     log = user / "verl_calls.jsonl"
     if route == "stateful_yaml":
@@ -396,17 +393,7 @@ def test_user_plugins_under_verls_agent_loop_worker(policy, user, monkeypatch, t
     manager = HFServerManager(policy, AutoTokenizer.from_pretrained(policy), questions={})
     manager.scripted = lambda request_id: False  # the policy itself, sampled by the HF engine
 
-    async def go():
-        worker = AgentLoopWorker(vcfg, llm_client=manager)
-        batch, _ = _gen_batch(vcfg, worker.tokenizer, 2, 2)
-        try:
-            return await worker.generate_sequences(batch)
-        finally:
-            await close_cached_tools()
-            if manager.engine is not None:
-                await manager.engine.close()
-
-    out = asyncio.run(go())
+    out = run_agent_loop(vcfg, manager)
     if route == "stateful_yaml":
         _check_one_session_per_trajectory(_sessions(log), 4)
     else:  # the installed plugin's own record: 2 executed calls in each of the 4 trajectories

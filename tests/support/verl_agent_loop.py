@@ -89,3 +89,26 @@ def _gen_batch(vcfg, tokenizer, n_prompts: int, n: int):
     batch = DataProto.from_single_dict(collate_fn(rows))
     batch.non_tensor_batch["uid"] = np.array([f"uid{i}" for i in range(n_prompts)], dtype=object)
     return batch.repeat(repeat_times=n, interleave=True), rows
+
+
+def run_agent_loop(vcfg, manager: HFServerManager, n_prompts: int = 2, n: int = 2):
+    """verl's own ``AgentLoopWorker`` on ``vcfg`` with ``manager`` as its server: one batch of
+    ``n_prompts`` × ``n`` episodes through ``generate_sequences``; the run's tools and the HF engine
+    are closed after. Returns verl's output batch."""
+    import asyncio
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from otb_tir.verl.agent_loop import close_cached_tools
+
+    async def go():
+        worker = AgentLoopWorker(vcfg, llm_client=manager)
+        batch, _ = _gen_batch(vcfg, worker.tokenizer, n_prompts, n)
+        try:
+            return await worker.generate_sequences(batch)
+        finally:
+            await close_cached_tools()
+            if manager.engine is not None:
+                await manager.engine.close()
+
+    return asyncio.run(go())

@@ -23,7 +23,7 @@ from tests.support.optional import need
 
 need("verl")
 
-from tests.support.verl_agent_loop import HFServerManager, _gen_batch  # noqa: E402
+from tests.support.verl_agent_loop import HFServerManager, _gen_batch, run_agent_loop  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -309,11 +309,8 @@ def test_a_hanging_tool_and_a_failing_reward_inside_verls_agent_loop_are_bounded
     reward that raises or returns NaN: every episode comes back (the tool call times out into an
     error observation, the reward into reward 0 with its error kind), counted in the batch's reward
     extra info as on the local path; the plugin's own logs show each was really called."""
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
     from agent_env.math_task.data import load_parquet
     from otb_tir.trainer.config import load_config
-    from otb_tir.verl.agent_loop import close_cached_tools
     from otb_tir.verl.compose import compose_verl_config
 
     user = tmp_path / "user"
@@ -352,17 +349,7 @@ def test_a_hanging_tool_and_a_failing_reward_inside_verls_agent_loop_are_bounded
     manager = HFServerManager(tiny_model_dir, tiny_tokenizer, questions)
     manager._script_tool = "stall"  # the scripted rows call the user's stalling tool
 
-    async def go():
-        worker = AgentLoopWorker(vcfg, llm_client=manager)
-        batch, _ = _gen_batch(vcfg, worker.tokenizer, 2, 2)
-        try:
-            return await worker.generate_sequences(batch)
-        finally:
-            await close_cached_tools()
-            if manager.engine is not None:
-                await manager.engine.close()
-
-    out = asyncio.run(go())
+    out = run_agent_loop(vcfg, manager)
     nt = out.non_tensor_batch
     B = 4
     stalled = [json.loads(x) for x in (user / "stall.jsonl").read_text().splitlines()]
