@@ -180,7 +180,9 @@ class OTBTrainerMixin:
             batch, metrics, timing_raw = pending
             gs = int(self.global_steps)  # type: ignore[attr-defined]
             epoch = (gs - 1) // max(int(getattr(self, "steps_per_epoch", 1) or 1), 1)
-            self._compute_metrics(batch, dict(metrics), dict(timing_raw), gs, epoch)
+            timing = dict(timing_raw)  # verl times the whole step after the save: its time so far here
+            timing.setdefault("step", time.perf_counter() - self._otb_clock.get("step_begin", time.perf_counter()))
+            self._compute_metrics(batch, dict(metrics), timing, gs, epoch)
         with self._otb_phase("save_checkpoint"):
             return super()._save_checkpoint()  # type: ignore[misc]
 
