@@ -416,22 +416,18 @@ def _wait_for(proc: subprocess.Popen, done, what: str, timeout: float = 780) -> 
     pytest.fail(f"{what}: {why}\n" + proc.err_path.read_text()[-6000:])
 
 
-@pytest.fixture(scope="module")
-def resumed_sync(verl_python, tmp_path_factory):
-    """V1 ``sync`` at the high learning rate, 4 steps, checkpoints every 2, killed and resumed twice:
+def _killed_and_resumed(verl_python: str, root: Path, mode: str, kill_replica: bool) -> tuple[Path, dict]:
+    """A V1 ``mode`` run at the high learning rate, 4 steps, checkpoints every 2, killed and resumed:
 
     1. SIGKILLed from outside (the whole process tree) once its step-2 checkpoint is on disk;
-    2. resumed with ``trainer.resume=true``; during step 3's generation its vLLM rollout replica (the
-       Ray actor serving it) is SIGKILLed: the run must stop by itself, non-zero, naming the phase;
-    3. resumed again, to the end.
-
-    Its folder is also the sync mode's "synced" arm of :func:`mode_runs` (contract, Σπ², the weight
-    sync after a resume). Returns ``(out, facts)``."""
+    2. (``kill_replica``) resumed with ``trainer.resume=true``; during step 3's generation its vLLM
+       rollout replica (the Ray actor serving it) is SIGKILLed: the run must stop by itself,
+       non-zero, naming the phase;
+    3. resumed, to the end. Returns ``(run folder, facts)``."""
     import json as _json
 
-    root = tmp_path_factory.mktemp("resumed_sync")
     out = root / "run"
-    args = [*HIGH_LR, "verl.trainer_mode=sync", "trainer.total_steps=4", "trainer.save_every=2"]
+    args = [*HIGH_LR, f"verl.trainer_mode={mode}", "trainer.total_steps=4", "trainer.save_every=2"]
     args += ["eval.before=true", "eval.size=8"]
     cmd = [verl_python, str(REPO / "recipes" / "train_tir_math.py"), "trainer=verl", f"trainer.output_dir={out}"]
     latest = out / "checkpoints" / "latest_checkpointed_iteration.txt"
@@ -451,55 +447,80 @@ def resumed_sync(verl_python, tmp_path_factory):
     first.wait(timeout=60)
     facts["killed_rows"] = _rows(out)
 
-    # 2. resumed; its rollout replica killed mid-step
-    progress = out / "progress.json"
+    if kill_replica:  # 2. resumed; its rollout replica killed mid-step
+        progress = out / "progress.json"
 
-    def in_step3_generation() -> bool:
+        def in_step3_generation() -> bool:
+            try:
+                p = _json.loads(progress.read_text())
+            except (OSError, ValueError):
+                return False
+            return p.get("phase") == "gen" and p.get("step") == 3
+
+        progress.unlink()  # the killed run's last phase (it may have been in step 3's generation too)
+        second = popen("trainer.resume=true")
         try:
-            p = _json.loads(progress.read_text())
-        except (OSError, ValueError):
-            return False
-        return p.get("phase") == "gen" and p.get("step") == 3
+            _wait_for(second, in_step3_generation, "the resumed run never reached step 3's generation")
+            replicas = _descendants(second.pid, "vLLMHttpServer")
+            assert replicas, "no vLLM replica process found"
+            for r in replicas:
+                r.kill()
+            facts["fault_rc"] = second.wait(timeout=600)  # the watchdog's error grace bounds it
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run did not stop within 600 s after its rollout replica died")
+        finally:
+            _kill_tree(second.pid)
+        facts["fault_err"] = second.err_path.read_text()
+        facts["latest_after_fault"] = latest.read_text().strip()
 
-    progress.unlink()  # the killed run's last phase (it may have been in step 3's generation too)
-    second = popen("trainer.resume=true")
-    try:
-        _wait_for(second, in_step3_generation, "the resumed run never reached step 3's generation")
-        replicas = _descendants(second.pid, "vLLMHttpServer")
-        assert replicas, "no vLLM replica process found"
-        for r in replicas:
-            r.kill()
-        facts["fault_rc"] = second.wait(timeout=600)  # the watchdog's error grace bounds it
-    except subprocess.TimeoutExpired:
-        pytest.fail("the run did not stop within 600 s after its rollout replica died")
-    finally:
-        _kill_tree(second.pid)
-    facts["fault_err"] = second.err_path.read_text()
-    facts["latest_after_fault"] = latest.read_text().strip()
-
-    # 3. resumed again, to the end
+    # 3. resumed, to the end
     resumed = _train(verl_python, root, out, *args, "trainer.total_steps=4", "trainer.resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-8000:]
     return out, facts
 
 
+def _assert_every_step_once(out: Path, steps_total: int = 4) -> None:
+    rows = _rows(out)
+    logged = [r["step"] for r in rows]
+    assert logged == sorted(set(logged)), f"a step logged twice or out of order: {logged}"
+    assert sorted(_steps(out)) == list(range(1, steps_total + 1))
+    assert logged[0] == 0  # the held-out figure before training, logged once
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps_total  # (HIGH_LR's runs skip the held-out pass after training)
+    assert 0.0 <= summary["before"]["accuracy"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def resumed_sync(verl_python, tmp_path_factory):
+    """V1 ``sync`` killed after its step-2 checkpoint, resumed, its replica killed, resumed again
+    (:func:`_killed_and_resumed`). Its folder is also the sync mode's "synced" arm of
+    :func:`mode_runs` (contract, Σπ², the weight sync after a resume)."""
+    return _killed_and_resumed(verl_python, tmp_path_factory.mktemp("resumed_sync"), "sync", kill_replica=True)
+
+
 def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(resumed_sync):
     """After the SIGKILL and the replica's death: the resumed run exits 0 with steps 1..4 in
     ``metrics.jsonl`` exactly once (verl validates again at the restored step before its loop: that
-    row is not logged twice), the summary counts 4 steps, and the replica's death stopped the run by
-    itself with an error naming the phase, its checkpoint intact."""
+    row is not logged twice; a step's row is logged before its checkpoint), the summary counts 4
+    steps, and the replica's death stopped the run by itself with an error naming the phase, its
+    checkpoint intact."""
     out, facts = resumed_sync
-    assert max(r["step"] for r in facts["killed_rows"]) >= 2  # the killed run had logged up to its checkpoint
+    assert max(r["step"] for r in facts["killed_rows"]) >= 2  # the killed run had logged its checkpoint's step
     err = facts["fault_err"]
     assert facts["fault_rc"] != 0 and "verl run failed:" in err, err[-6000:]
     assert "in phase 'gen' (step 3)" in err, err[-6000:]  # the phase the replica died in, not the step around it
     assert facts["latest_after_fault"] == "2"
-    rows = _rows(out)
-    logged = [r["step"] for r in rows]
-    assert logged == sorted(set(logged)), f"a step logged twice or out of order: {logged}"
-    assert sorted(_steps(out)) == [1, 2, 3, 4]
-    assert logged[0] == 0  # the held-out figure before training, logged once
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["after"]["step"] == 4
-    assert 0.0 <= summary["before"]["accuracy"] <= 1.0
-    print("replica fault:", [line for line in err.splitlines() if "phase '" in line][:2])
+    _assert_every_step_once(out)
+
+
+def test_colocate_async_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(verl_python, tmp_path):
+    """The same for V1 ``colocate_async`` (one batch generated ahead: verl re-issues the in-flight
+    prompts on resume). Three more verl starts than CI's budget holds: run with
+    ``OTB_TIR_VERL_RESUME_ALL=1``; recorded in docs/verl.md."""
+    if os.environ.get("OTB_TIR_VERL_RESUME_ALL") != "1":
+        pytest.skip("colocate_async's resume runs with OTB_TIR_VERL_RESUME_ALL=1 (outside CI's time budget)")
+    out, facts = _killed_and_resumed(verl_python, tmp_path, "colocate_async", kill_replica=False)
+    assert max(r["step"] for r in facts["killed_rows"]) >= 2
+    _assert_every_step_once(out)
+    steps = _steps(out)
+    assert max(r["staleness/max"] for r in steps.values()) <= 1
