@@ -210,6 +210,9 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     log_prob_micro = math.gcd(micro, int(cfg.data.train_batch_size) * int(r.n))
     otb = cfg.algorithm.adv_estimator in OTB_ESTIMATORS
     mode = cfg.verl.trainer_mode
+    # grad_clip 0 = off, as on the local trainer: verl clips with max_norm=clip_grad, which at 0 zeroes
+    # every gradient (verl 0.9.1 workers/engine/fsdp/transformer_impl.py ~806); ∞ measures the norm only
+    clip = float(a.grad_clip) if a.grad_clip > 0 else float("inf")
     settings: dict[str, Any] = {
         # algorithm
         "algorithm.adv_estimator": verl_estimator_name(cfg.algorithm.adv_estimator),
@@ -228,10 +231,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "actor_rollout_ref.actor.clip_ratio_low": float(a.clip_ratio_low),
         "actor_rollout_ref.actor.clip_ratio_high": float(a.clip_ratio_high),
         "actor_rollout_ref.actor.clip_ratio_c": float(a.clip_ratio_c),
-        # 0 = off, as on the local trainer: verl clips with max_norm=clip_grad, which at 0 zeroes every
-        # gradient (verl 0.9.1 workers/engine/fsdp/transformer_impl.py ~806); ∞ measures the norm, clips nothing
-        "actor_rollout_ref.actor.grad_clip": float(a.grad_clip) if a.grad_clip > 0 else float("inf"),
-        "actor_rollout_ref.actor.optim.clip_grad": float(a.grad_clip) if a.grad_clip > 0 else float("inf"),
+        "actor_rollout_ref.actor.grad_clip": clip,
+        "actor_rollout_ref.actor.optim.clip_grad": clip,
         "actor_rollout_ref.actor.use_kl_loss": bool(a.use_kl_loss),
         "actor_rollout_ref.actor.kl_loss_coef": float(a.kl_loss_coef),
         "actor_rollout_ref.actor.entropy_coeff": float(a.entropy_coeff),

@@ -26,6 +26,25 @@ need("verl")
 from tests.support.verl_agent_loop import HFServerManager, _gen_batch, run_agent_loop  # noqa: E402
 
 
+def _small_verl_run(model_dir, out) -> list[str]:
+    """The overrides of a small ``trainer=verl`` run (2 prompts × 2 samples, 3 turns) of these tests."""
+    return [
+        f"model.path={model_dir}",
+        "trainer=verl",
+        "rollout.name=vllm",
+        f"trainer.output_dir={out}",
+        "data.train_size=6",
+        "data.val_size=2",
+        "rollout.n=2",
+        "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2",
+        "rollout.response_length=160",
+        "rollout.max_tokens_per_turn=40",
+        "multi_turn.max_assistant_turns=3",
+        "trainer.n_gpus_per_node=1",
+    ]
+
+
 @pytest.fixture(scope="module")
 def verl_setup(tiny_model_dir, tmp_path_factory):
     from otb_tir.trainer.config import load_config
@@ -35,19 +54,7 @@ def verl_setup(tiny_model_dir, tmp_path_factory):
     cfg = load_config(
         None,
         [
-            f"model.path={tiny_model_dir}",
-            "trainer=verl",
-            "rollout.name=vllm",
-            f"trainer.output_dir={out}",
-            "data.train_size=6",
-            "data.val_size=2",
-            "rollout.n=2",
-            "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2",
-            "rollout.response_length=160",
-            "rollout.max_tokens_per_turn=40",
-            "multi_turn.max_assistant_turns=3",
-            "trainer.n_gpus_per_node=1",
+            *_small_verl_run(tiny_model_dir, out),
             "multi_turn.tool_timeout=120",
         ],
     )  # generous: a loaded CI machine starts sympy slowly
@@ -323,19 +330,7 @@ def test_a_hanging_tool_and_a_failing_reward_inside_verls_agent_loop_are_bounded
     cfg = load_config(
         None,
         [
-            f"model.path={tiny_model_dir}",
-            "trainer=verl",
-            "rollout.name=vllm",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            "data.train_size=6",
-            "data.val_size=2",
-            "rollout.n=2",
-            "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2",
-            "rollout.response_length=160",
-            "rollout.max_tokens_per_turn=40",
-            "multi_turn.max_assistant_turns=3",
-            "trainer.n_gpus_per_node=1",
+            *_small_verl_run(tiny_model_dir, tmp_path / "run"),
             "multi_turn.tools=[stall_tool.py:stall]",
             "multi_turn.tool_timeout=2",
             "reward.custom_reward_function.path=flaky_reward.py",
