@@ -293,14 +293,16 @@ async def stall(expression: str) -> str:
 '''
 
 FLAKY_REWARD = '''
-import json, os
+import fcntl, json, os
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Raises on one call, NaN on the next, and so on: a broken user reward."""
-    log = os.environ["REWARD_LOG"]
-    n = sum(1 for _ in open(log)) if os.path.exists(log) else 0
-    with open(log, "a") as f:
+    """Raises on one call, NaN on the next, and so on: a broken user reward. (Episodes score
+    concurrently: the count is read and written under a lock, or two calls can both see 0.)"""
+    with open(os.environ["REWARD_LOG"], "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        n = sum(1 for _ in f)
         f.write(json.dumps({"call": n}) + "\\n")
     if n % 2 == 0:
         raise ValueError("the checker broke")
