@@ -9,6 +9,8 @@ evaluation and the verl launcher; none of them owns it (recipes wire them):
   an extension point (task, tool-call format, rewards, estimator) resolved at start,
   :func:`check_sections`: that and the ranges of the keys training and eval share, and
   :func:`resolved_plugins`: what they resolved to and from where (``summary.json``, the eval report);
+* :func:`load_data_files`, :func:`check_tokenizer` and :func:`check_inputs`: the user's data and
+  model checked before anything is loaded or written (a ConfigError, one line, with the fix);
 * :func:`resolve_device`, :func:`seed_everything`.
 """
 
@@ -22,7 +24,10 @@ from otb_tir import ConfigError
 
 __all__ = [
     "build_tools",
+    "check_inputs",
     "check_plugins",
+    "check_tokenizer",
+    "load_data_files",
     "check_sections",
     "apply_task_settings",
     "episode_config",
@@ -53,6 +58,56 @@ def resolve_device(name: str) -> Any:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
     return torch.device(name)
+
+
+def load_data_files(key: str, files: Any) -> list[dict[str, Any]]:
+    """The rows of the verl-format parquet ``files`` given by config key ``key``; a file that is
+    missing, unreadable or not in verl's format is a :class:`ConfigError` naming the key, the file
+    and what is wrong (with the fix: ``recipes/prepare_data.py`` writes the format)."""
+    from agent_env import EnvError
+    from agent_env.math_task.data import load_parquet
+
+    rows: list[dict[str, Any]] = []
+    for f in files:
+        path = Path(str(f)).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{key}: file not found: {path} (from {Path.cwd()})")
+        try:
+            rows += load_parquet(path)
+        except EnvError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    return rows
+
+
+def check_tokenizer(path: Path) -> Any:
+    """The tokenizer of the model folder ``path``, which must have a chat template (tool use is
+    rendered through it): otherwise a :class:`ConfigError` pointing at the one the project ships."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+    if not getattr(tok, "chat_template", None):
+        from otb_tir.defaults.tiny import CHAT_TEMPLATE_PATH
+
+        raise ConfigError(
+            f"the tokenizer of {path} has no chat template, and tool calls are rendered through one: "
+            "save the model's own (with tool support) into the folder, or the Qwen-style one this project "
+            f"ships ({CHAT_TEMPLATE_PATH}): tok.chat_template = open(that file).read(); tok.save_pretrained(folder)"
+        )
+    return tok
+
+
+def check_inputs(cfg: Any) -> None:
+    """A training run's own inputs, before anything is loaded or written (the local trainer,
+    ``torchrun`` and ``trainer=verl`` alike): ``data.train_files`` / ``data.val_files`` exist and are
+    verl-format parquet with well-formed rows, and ``model.path`` is a model folder whose tokenizer
+    has a chat template. Raises :class:`ConfigError`."""
+    load_data_files("data.train_files", cfg.data.train_files)
+    load_data_files("data.val_files", cfg.data.val_files)
+    if cfg.model.path:
+        check_tokenizer(policy_path(cfg))
 
 
 def policy_path(cfg: Any) -> Path:

@@ -100,7 +100,10 @@ def load_structured(
             key = getattr(e, "full_key", None) or str(e)
             raise _key_error(str(key), schema) from None
         except ValidationError as e:
-            raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
+            msg = str(e.msg).splitlines()[0]
+            if "is not a ListConfig" in msg:  # data.train_files=a.parquet: the brackets were left out
+                msg = f"a list is expected: write it as {e.full_key}=[a, b] (one item: {e.full_key}=[a])"
+            raise ConfigError(f"{origin}: bad value for '{e.full_key}': {msg}") from None
         except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
             raise ConfigError(f"{origin}: {e}") from None
     for key, allowed in (choices or {}).items():

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
+        from otb_tir.builders import check_inputs
+
+        check_inputs(cfg)  # the user's data and model, before anything is loaded or written
         if cfg.trainer.name == "verl":
             from otb_tir.verl.launch import VerlRunError, run_verl
 

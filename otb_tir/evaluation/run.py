@@ -39,20 +39,10 @@ class Prepared:
 
 
 def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
-    from agent_env import EnvError
-    from agent_env.math_task.data import load_parquet
-    from otb_tir.builders import task_split
+    from otb_tir.builders import load_data_files, task_split
 
     if cfg.data.files:
-        missing = [f for f in cfg.data.files if not Path(f).expanduser().is_file()]
-        if missing:
-            raise ConfigError(f"data.files: file(s) not found: {missing}")
-        items: list[dict[str, Any]] = []
-        for f in cfg.data.files:
-            try:
-                items += load_parquet(Path(f).expanduser())
-            except EnvError as e:
-                raise ConfigError(f"data.files: {e}") from None
+        items = load_data_files("data.files", cfg.data.files)
         desc = ", ".join(str(f) for f in cfg.data.files)
     else:
         items = task_split(cfg, "test", cfg.data.size, seed=0)  # training's val set
@@ -68,25 +58,10 @@ def _load_items(cfg: DictConfig) -> tuple[list[dict[str, Any]], str]:
     return items, desc
 
 
-def _check_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from None
-    if not getattr(tok, "chat_template", None):
-        raise ConfigError(
-            f"the tokenizer of {path} has no chat template: an evaluation of tool use needs a "
-            "chat template with tool support (set tokenizer.chat_template, save_pretrained again)"
-        )
-    return tok
-
-
 def prepare(cfg: DictConfig) -> Prepared:
     """Check every input before any episode runs; bad input raises :class:`ConfigError`."""
     from agent_env import AgentEnv, EnvError
-    from otb_tir.builders import build_tools, episode_config, policy_path
+    from otb_tir.builders import build_tools, check_tokenizer, episode_config, policy_path
 
     items, desc = _load_items(cfg)
     if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
@@ -97,7 +72,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     tools = build_tools(cfg)
     try:
         path = policy_path(cfg)  # model.path, or the built-in warm-started tiny policy (cached)
-        tokenizer = _check_tokenizer(path)
+        tokenizer = check_tokenizer(path)
         try:  # the episode's own checks (chat template renders, eos, tool schemas) before any episode
             AgentEnv(tokenizer, tools=tools, config=episode_config(cfg))
             if cfg.eval.without_tools:

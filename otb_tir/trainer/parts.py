@@ -57,14 +57,14 @@ class Parts:
 
 def load_items(cfg) -> tuple[list[dict], list[dict]]:
     """Training and held-out prompts: verl parquet files, or the built-in generator's splits."""
-    from agent_env.math_task.data import load_parquet
+    from otb_tir.builders import load_data_files
 
     if cfg.data.train_files:
-        train = [row for f in cfg.data.train_files for row in load_parquet(f)]
+        train = load_data_files("data.train_files", cfg.data.train_files)
     else:
         train = task_split(cfg, "train", cfg.data.train_size, seed=cfg.trainer.seed)
     if cfg.data.val_files:
-        val = [row for f in cfg.data.val_files for row in load_parquet(f)]
+        val = load_data_files("data.val_files", cfg.data.val_files)
     else:
         # the held-out set does not move with the seed
         val = task_split(cfg, "test", cfg.data.val_size, seed=0)
