@@ -27,6 +27,7 @@ __all__ = [
     "check_inputs",
     "check_plugins",
     "check_tokenizer",
+    "held_out",
     "load_data_files",
     "check_sections",
     "apply_task_settings",
@@ -102,12 +103,37 @@ def check_tokenizer(path: Path) -> Any:
 def check_inputs(cfg: Any) -> None:
     """A training run's own inputs, before anything is loaded or written (the local trainer,
     ``torchrun`` and ``trainer=verl`` alike): ``data.train_files`` / ``data.val_files`` exist and are
-    verl-format parquet with well-formed rows, and ``model.path`` is a model folder whose tokenizer
-    has a chat template. Raises :class:`ConfigError`."""
+    verl-format parquet with well-formed rows, the held-out figures come from the user's data when
+    they train on their own, and ``model.path`` is a model folder whose tokenizer has a chat
+    template. Raises :class:`ConfigError`."""
     load_data_files("data.train_files", cfg.data.train_files)
     load_data_files("data.val_files", cfg.data.val_files)
+    if cfg.data.train_files and not cfg.data.val_files and (cfg.eval.before or cfg.eval.after):
+        # refused, not warned: the before/after figures would silently be another task's
+        raise ConfigError(
+            "data.train_files is set but data.val_files is not: the held-out figures before and after "
+            f"training would be on data.task={cfg.data.task}'s generated problems, not your data. Give "
+            "data.val_files=[test.parquet], or eval.before=false eval.after=false to train without them"
+        )
     if cfg.model.path:
         check_tokenizer(policy_path(cfg))
+
+
+def held_out(cfg: Any, problems: int | None = None) -> dict[str, Any]:
+    """How the held-out figures of a training run are measured (``summary.json`` 'held_out', the
+    log): which problems, how many, samples per problem and decoding. ``otb-tir-eval`` gives the
+    same figure as 'mean@1' with ``rollout.n=1 rollout.temperature=0`` on the same data."""
+    if cfg.data.val_files:
+        source = "data.val_files: " + ", ".join(str(f) for f in cfg.data.val_files)
+    else:
+        source = f"data.task={cfg.data.task}: its generator's held-out split (seed 0)"
+    t = float(cfg.eval.temperature)
+    return {
+        "source": source,
+        "problems": problems,
+        "samples_per_problem": int(cfg.eval.n),
+        "decoding": "greedy" if t == 0 else f"sampled at temperature {t:g}",
+    }
 
 
 def policy_path(cfg: Any) -> Path:

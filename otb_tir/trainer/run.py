@@ -15,7 +15,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from otb_tir import ConfigError
-from otb_tir.builders import resolve_device, resolved_plugins, seed_everything
+from otb_tir.builders import held_out, resolve_device, resolved_plugins, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,10 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
         "cpu_kernels": cpu_kernels(),  # the float order's source: figures move with it across CPUs
         "tools": tools.describe(),
         "plugins": resolved_plugins(cfg, tools),
+        "held_out": held_out(cfg, len(parts.val_items)),
     }
+    if rank == 0 and (cfg.eval.before or cfg.eval.after):
+        log.info("held-out evaluation: %s", summary["held_out"])
     trainer = None
     try:
         trainer = Trainer(trainer_settings(cfg, autocast_dtype=parts.autocast_dtype), parts)

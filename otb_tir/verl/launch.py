@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
-from otb_tir.builders import resolved_plugins
+from otb_tir.builders import held_out, resolved_plugins
 from otb_tir.verl import require_verl
 from otb_tir.verl.compose import (
     compose_verl_config,
@@ -155,6 +155,18 @@ def run_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any] |
     return summary
 
 
+def _val_rows(out: Path) -> int | None:
+    """The number of held-out problems verl validated on (its ``data.val_files``' rows)."""
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    path = out / "verl_config.yaml"
+    if not path.is_file():
+        return None
+    files = OmegaConf.load(path).data.val_files
+    return sum(pq.ParquetFile(str(f)).metadata.num_rows for f in files)
+
+
 def _summary(cfg: DictConfig, out: Path, info: Mapping[str, Any], wall: float) -> dict[str, Any]:
     rows = (
         [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -197,6 +209,7 @@ def _summary(cfg: DictConfig, out: Path, info: Mapping[str, Any], wall: float) -
         "steps": len(steps),
         "tools": tools,
         "plugins": resolved_plugins(cfg),
+        "held_out": held_out(cfg, _val_rows(out)),
         "before": figures(before),
         "after": figures(after),
         "last_step": {k: v for k, v in steps[-1].items() if not k.startswith(("val-", "errors/"))},

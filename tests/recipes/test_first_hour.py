@@ -70,6 +70,11 @@ CASES = {
         ["data.val_files:", "'prompt' must be a non-empty list"],
     ),
     "no chat template": (["--model", "my_model"], ["has no chat template", "chat_template.jinja"]),
+    # the before/after figures would silently be the built-in task's: refused, the two fixes named
+    "train files without val files": (
+        ["data.train_files=[data/good.parquet]"],
+        ["data.val_files is not", "data.val_files=[test.parquet]", "eval.before=false eval.after=false"],
+    ),
 }
 
 

@@ -90,6 +90,10 @@ def test_outside_task_reward_estimator_and_parser_in_training_and_eval(policy, u
         "source": f"file {code / 'quiz_task.py'}",
     }
     assert plugins["tools"] == {"lookup": f"file {code / 'quiz_task.py'}"}  # the task's own tool
+    # what the held-out figures measured: the task's held-out split, greedy, one sample each
+    assert summary["held_out"]["source"] == f"data.task={TASK}: its generator's held-out split (seed 0)"
+    assert summary["held_out"]["decoding"] == "greedy" and summary["held_out"]["samples_per_problem"] == 1
+    assert summary["held_out"]["problems"] >= 1
     # the plugins' own records: 4 training episodes + 2 held-out ones, each scored once by the
     # user's reward, on the task's questions; the estimator called once on the step's 4 rows
     events = read_log(user / "quiz.jsonl")

@@ -156,6 +156,12 @@ def test_the_readme_verl_command_writes_what_the_local_trainer_writes(readme_run
     assert summary["adv_estimator"] == "tir_optimal_token_baseline"
     assert summary["trainer_mode"] == "sync" and "V1 trainer, mode sync" in summary["trainer_path"]
     assert 0.0 <= summary["before"]["accuracy"] <= 1.0 and summary["after"]["step"] == README_STEPS
+    assert summary["held_out"] == {  # what verl validated on, as the local trainer's summary says it
+        "source": "data.task=arith: its generator's held-out split (seed 0)",
+        "problems": 100,
+        "samples_per_problem": 1,
+        "decoding": "greedy",
+    }
     assert {t["name"] for t in summary["tools"]} == {"python", "calculator"}
     python_tool = next(t for t in summary["tools"] if t["name"] == "python")
     assert "bubblewrap" in python_tool["isolation"]  # our sandbox, isolated by default
