@@ -136,6 +136,15 @@ def advantage_stats(
     return out
 
 
+def equal_reward_group_frac(trajs: Sequence[Any]) -> float:
+    """The fraction of groups (samples of one prompt, same ``uid``) whose rewards are all equal: a
+    group baseline gives them zero advantages, so they teach nothing (1.0: the step moved nothing)."""
+    groups: dict[Any, set[float]] = {}
+    for t in trajs:
+        groups.setdefault(t.uid, set()).add(float(t.reward))
+    return sum(len(r) == 1 for r in groups.values()) / max(len(groups), 1)
+
+
 def trajectory_metrics(trajs: Sequence[Any], prefix: str = "") -> dict[str, float]:
     """Reward, accuracy, episode and tool-use figures of a set of episodes (the tool figures are
     :func:`agent_env.tool_metrics.tool_metrics`, the definition the evaluation and verl share)."""

@@ -9,6 +9,7 @@ The sections reuse the training config's names where the concept is the same (``
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -85,8 +86,15 @@ def _check(cfg: DictConfig, given: frozenset[str] = frozenset()) -> None:
 
     apply_task_settings(cfg, given)  # data.task's turns and budget, unless the user set them
     check_sections(cfg)  # the plugins and the keys training shares (rollout.*, multi_turn.*, reward.*)
-    if "eval.pass_k" not in given and cfg.rollout.n >= 1:  # the default k's follow rollout.n
+    if "eval.pass_k" not in given and cfg.rollout.n >= 1:  # the default k's follow rollout.n, saying so
+        dropped = [k for k in cfg.eval.pass_k if k > cfg.rollout.n]
         cfg.eval.pass_k = [k for k in cfg.eval.pass_k if 1 <= k <= cfg.rollout.n] or [1]
+        if dropped:
+            logging.getLogger(__name__).warning(
+                "eval.pass_k: %s not reported: pass@k needs rollout.n >= k (rollout.n=%d); raise rollout.n for them",
+                ", ".join(f"pass@{k}" for k in dropped),
+                cfg.rollout.n,
+            )
     if cfg.rollout.max_batch_size <= 0:
         raise ConfigError(f"'rollout.max_batch_size' must be > 0; got {cfg.rollout.max_batch_size}")
     if cfg.data.size < 0:

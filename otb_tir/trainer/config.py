@@ -269,6 +269,14 @@ def _check_ranges(cfg: DictConfig) -> None:
             raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")
     if cfg.trainer.total_steps < 0:
         raise ConfigError("'trainer.total_steps' must be >= 0")
+    group_baselines = ("grpo", "rloo", "optimal_token_baseline", "tir_optimal_token_baseline")
+    if cfg.rollout.n == 1 and cfg.algorithm.adv_estimator in group_baselines:
+        # each group is one sample: its baseline is its own reward, every advantage is 0
+        raise ConfigError(
+            f"rollout.n=1 with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its baseline comes from "
+            "the other samples of the same prompt, so with one sample every advantage is 0 and nothing is "
+            "learned; use rollout.n >= 2 (the default is 4)"
+        )
     if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
         raise ConfigError(
             f"'data.train_batch_size' ({cfg.data.train_batch_size}) must be a multiple of "

@@ -113,6 +113,7 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
         t_fit = time.perf_counter()
         trainer.fit()
         summary["timing"] = step_time_summary(trainer.timing_totals, time.perf_counter() - t_fit)
+        summary["steps_without_signal"] = trainer.steps_without_signal  # every group's rewards equal
         if rank == 0:
             log.info("where the training loop's time went:\n%s", format_step_time(summary["timing"]))
         if cfg.eval.after:

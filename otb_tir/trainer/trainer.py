@@ -28,7 +28,7 @@ from agent_env import AgentEnv, RolloutBatch, Trajectory, rollout_async
 from agent_env.rollout import run_sync
 from otb_tir import ConfigError
 from otb_tir.advantage import place_reward_on_last_policy_token
-from otb_tir.metrics import advantage_stats, trajectory_metrics, variance_proxy_metrics
+from otb_tir.metrics import advantage_stats, equal_reward_group_frac, trajectory_metrics, variance_proxy_metrics
 from otb_tir.trainer.actor import compute_old_stats, on_policy_update, one_forward_applies, ppo_update
 from otb_tir.trainer.checkpoint import (
     load_distributed_state,
@@ -106,6 +106,7 @@ class Trainer:
         self.step = 0
         self.batch: RolloutBatch | None = None  # the rollout of the step in progress (or of the last step)
         self.timing_totals: dict[str, float] = {}  # seconds per phase over this process's fit()
+        self.steps_without_signal = 0  # steps whose groups all had equal rewards (train/zero_advantage_frac = 1)
 
     # ------------------------------------------------------------------ rollout
 
@@ -234,6 +235,7 @@ class Trainer:
                 local["is_weights"] = is_weights
             g_all = gather_tensors(local, self.world)
             metrics = trajectory_metrics(trajs)
+            metrics["train/zero_advantage_frac"] = equal_reward_group_frac(trajs)
             metrics.update(actor_metrics)
             kept = gather_objects([filter_metrics["filter/kept_frac"]], self.world)  # equal rows per rank
             metrics["filter/kept_frac"] = float(np.mean(kept))
@@ -345,6 +347,15 @@ class Trainer:
         while self.step < total:
             res = self.train_step()
             self.step += 1
+            if res.metrics.get("train/zero_advantage_frac") == 1.0:
+                self.steps_without_signal += 1
+                if self.rank == 0:
+                    log.warning(
+                        "step %d: every group's samples got the same reward (reward/mean %.2f): zero advantages, "
+                        "this update changed nothing (train/zero_advantage_frac = 1)",
+                        self.step,
+                        res.metrics.get("reward/mean", float("nan")),
+                    )
             timer = PhaseTimer()
             with timer("eval"):
                 if every and self.step % every == 0 and self.step < total:  # the last step: run.py's `after`
@@ -366,6 +377,13 @@ class Trainer:
             prev = {f"timing/prev_{k}_s": timer.seconds[f"timing/{k}_s"] for k in ("log", "checkpoint")}
             self._add_timing(res.metrics, prev)
         bar.close()
+        if self.steps_without_signal and self.steps_without_signal == len(history) and self.rank == 0:
+            log.warning(
+                "no step of this run had a group with different rewards: it learned nothing. The task is too "
+                "hard or too easy for the policy at rollout.n=%d (every sample wrong, or every one right), or "
+                "the reward is constant: check the reward on a few samples, or raise rollout.n",
+                s.n,
+            )
         return history
 
     def _add_timing(self, row: Mapping[str, Any], after: Mapping[str, float]) -> None:

@@ -101,3 +101,62 @@ def test_the_eval_gives_the_same_one_line_for_the_same_mistakes(user):
     proc = _cmd("eval_tool_use.py", user, "--model", "my_model", "output.dir=ev")
     _assert_one_line_error(proc, "has no chat template", "chat_template.jinja")
     assert not (user / "ev").exists()
+
+
+CONSTANT_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward that never tells samples apart (a checker that always says 'wrong')."""
+    return 0.0
+'''
+
+
+def test_a_run_that_cannot_learn_says_so_at_each_step_and_at_the_end(user):
+    """Every group's rewards equal at every step: zero advantages, no update moves anything. Each
+    step says so (warning and ``train/zero_advantage_frac`` = 1), the end says the run learned
+    nothing, and ``summary.json`` counts the steps."""
+    from tests.support.user_runs import TRAIN
+
+    (user / "constant.py").write_text(CONSTANT_REWARD)
+    out = user / "runs" / "constant"
+    proc = _cmd(
+        "train_tir_math.py",
+        user,
+        *TRAIN,
+        "trainer.total_steps=2",
+        "eval.after=false",
+        "reward.custom_reward_function.path=constant.py",
+        f"trainer.output_dir={out}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "train/zero_advantage_frac" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["train/zero_advantage_frac"] == 1.0 and r["reward/mean"] == 0.0 for r in steps)
+    assert proc.stderr.count("every group's samples got the same reward") == 2
+    assert "it learned nothing" in proc.stderr
+    assert json.loads((out / "summary.json").read_text())["steps_without_signal"] == 2
+
+
+def test_one_sample_per_prompt_with_a_group_baseline_is_refused(user):
+    proc = _cmd("train_tir_math.py", user, "rollout.n=1", "trainer.output_dir=run_n1")
+    _assert_one_line_error(proc, "rollout.n=1", "tir_optimal_token_baseline", "rollout.n >= 2")
+    assert not (user / "run_n1").exists()
+
+
+def test_the_eval_says_which_pass_at_k_it_drops(user):
+    """``rollout.n=1`` leaves only pass@1 of the default [1, 2, 4]: the eval says so instead of
+    dropping them without a word."""
+    proc = _cmd(
+        "eval_tool_use.py",
+        user,
+        "rollout.n=1",
+        "data.size=2",
+        "eval.without_tools=false",
+        "rollout.response_length=64",
+        "rollout.max_tokens_per_turn=32",
+        "output.dir=ev_n1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pass@2, pass@4 not reported: pass@k needs rollout.n >= k (rollout.n=1)" in proc.stderr
+    report = json.loads((user / "ev_n1" / "eval.json").read_text())
+    assert not any("pass@2" in k or "pass@4" in k for k in json.dumps(report["with_tools"]).split('"'))
