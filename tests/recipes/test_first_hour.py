@@ -160,3 +160,32 @@ def test_the_eval_says_which_pass_at_k_it_drops(user):
     assert "pass@2, pass@4 not reported: pass@k needs rollout.n >= k (rollout.n=1)" in proc.stderr
     report = json.loads((user / "ev_n1" / "eval.json").read_text())
     assert not any("pass@2" in k or "pass@4" in k for k in json.dumps(report["with_tools"]).split('"'))
+
+
+def test_the_eval_reproduces_trainings_held_out_figure_the_documented_way(user):
+    """docs/training.md: training's held-out pass is greedy with one sample; ``otb-tir-eval`` with
+    ``rollout.n=1 rollout.temperature=0`` on the same problems gives the same accuracy and tool-call
+    rate (here on the warm-started policy before training, 12 problems)."""
+    proc = _cmd(
+        "train_tir_math.py", user, "trainer.total_steps=0", "eval.size=12", "eval.after=false", "trainer.output_dir=t0"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((user / "t0" / "summary.json").read_text())
+    proc = _cmd(
+        "eval_tool_use.py",
+        user,
+        "--model",
+        summary["model"],
+        "rollout.n=1",
+        "rollout.temperature=0",
+        "data.size=12",
+        "eval.without_tools=false",
+        "output.dir=ev_same",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((user / "ev_same" / "eval.json").read_text())
+    assert summary["held_out"]["problems"] == 12 and summary["held_out"]["decoding"] == "greedy"
+    overall = report["with_tools"]["overall"]
+    assert overall["problems"] == 12
+    assert overall["accuracy/mean@n"] == pytest.approx(summary["before"]["accuracy"])
+    assert overall["tools/call_rate"] == pytest.approx(summary["before"]["tool_call_rate"])
