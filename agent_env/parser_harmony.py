@@ -10,14 +10,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from agent_env import EnvError
+from agent_env import EnvError, install_hint
 from agent_env.parser_families import _malformed
 from agent_env.parsers import ParsedCall
 
 __all__ = ["HarmonyParser"]
 
 
-HARMONY_INSTALL = "pip install 'otb-tir[harmony]'"
+HARMONY_INSTALL = install_hint("harmony")
 
 
 def _import_harmony() -> Any:

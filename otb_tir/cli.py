@@ -52,6 +52,41 @@ def parser(prog: str, doc: str, schema: type, default_config: str, model_help: s
     return p
 
 
+def shadowed_packages() -> list[str]:
+    """otb-tir's top-level packages ``tools`` and ``agent_env`` have common names: a user's own
+    package of the same name earlier on ``sys.path`` (the current folder under ``python -m``, or
+    ``PYTHONPATH``) would be imported instead. One line per package that resolves elsewhere, naming
+    both paths."""
+    import importlib.util
+    from pathlib import Path
+
+    home = Path(__file__).resolve().parents[1]  # the folder holding otb_tir/, tools/ and agent_env/
+    problems = []
+    for name in ("tools", "agent_env"):
+        module = sys.modules.get(name)
+        spec = module.__spec__ if module is not None else importlib.util.find_spec(name)
+        ours = home / name
+        where = [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else []
+        if spec is None or ours not in where:
+            found = ", ".join(str(w) for w in where) or (spec.origin if spec else "nothing")
+            problems.append(
+                f"the package name '{name}' resolves to {found}, not otb-tir's {ours}: a package or folder of "
+                f"yours named '{name}' shadows it (on sys.path before otb-tir); rename yours, or run from "
+                "another folder / without it on PYTHONPATH"
+            )
+    return problems
+
+
+def refuse_shadowed() -> None:
+    """Exit 2 with one ``config error:`` line per shadowed package (:func:`shadowed_packages`): the
+    console scripts call it first, before anything imports the wrong one."""
+    problems = shadowed_packages()
+    for problem in problems:
+        print(f"config error: {problem}", file=sys.stderr)
+    if problems:
+        raise SystemExit(2)
+
+
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, example: str) -> argparse.Namespace:
     """Add the dotted overrides, parse (overrides before and after the options alike), set up logging."""
     p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")

@@ -18,7 +18,9 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from otb_tir.cli import parse, parser
+    from otb_tir.cli import parse, parser, refuse_shadowed
+
+    refuse_shadowed()  # a user's own `tools` / `agent_env` package first on sys.path: say so, both paths
     from otb_tir.evaluation.config import EvalConfig
 
     p = parser(

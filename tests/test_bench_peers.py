@@ -27,7 +27,7 @@ PROMPT = [{"role": "user", "content": "Compute 585 times 93."}]
 
 
 def _trl():
-    return need("trl", reason="TRL is not installed: pip install 'otb-tir[peers]'")
+    return need("trl", reason="TRL is not installed: pip install -e '.[peers]'")
 
 
 def _trl_suffix_ids(tokenizer, tool_messages):

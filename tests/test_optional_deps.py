@@ -34,3 +34,19 @@ def test_a_missing_oracle_fails_under_ci_and_skips_elsewhere(tmp_path, ci):
         assert out.returncode != 0 and "CI must not skip this" in text, text[-2000:]
     else:
         assert out.returncode == 0 and "1 skipped" in text, text[-2000:]
+
+
+@pytest.mark.parametrize("extra", ["verl", "vllm", "vllm-cpu", "sglang", "harmony", "docker", "peers"])
+def test_every_install_hint_names_an_extra_the_checkout_has(extra):
+    """The hint a missing optional package gives is a command that works in the checkout: the extra
+    it names is one of pyproject.toml's, and a script it names exists."""
+    import re
+    import tomllib
+
+    from agent_env import install_hint
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    hint = install_hint(extra)
+    assert hint.startswith(f"pip install -e '.[{extra}]'") and extra in extras, hint
+    for script in re.findall(r"scripts/\S+\.sh", hint):
+        assert (ROOT / script).is_file(), script

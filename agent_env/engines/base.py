@@ -61,8 +61,10 @@ class EngineError(Exception):
 
 def missing_extra(package: str, extra: str) -> EngineError:
     """The one clear error for an optional dependency that is not installed."""
+    from agent_env import install_hint
+
     return EngineError(
-        f"this engine needs the optional package '{package}', which is not installed: pip install 'otb-tir[{extra}]'"
+        f"this engine needs the optional package '{package}', which is not installed: {install_hint(extra)}"
     )
 
 

