@@ -12,7 +12,10 @@ import sys
 from dataclasses import fields, is_dataclass
 from typing import Any, Sequence
 
-REFERENCE = "docs/configuration.md; --print-config prints every key with the value this run would use"
+REFERENCE = (
+    "--reference (the same page as docs/configuration.md in the source); "
+    "--print-config prints every key with the value this run would use"
+)
 
 
 def sections_help(schema: type) -> str:
@@ -43,6 +46,11 @@ def parser(prog: str, doc: str, schema: type, default_config: str, model_help: s
     )
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="print the configuration reference (each key of training and the eval: default, meaning) and exit",
+    )
     p.add_argument(
         "--list",
         action="store_true",
@@ -91,6 +99,14 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, example: str) 
     """Add the dotted overrides, parse (overrides before and after the options alike), set up logging."""
     p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
     args = p.parse_intermixed_args(argv)
+    if args.reference:
+        from otb_tir.config_reference import render
+
+        try:
+            print(render(), end="", flush=True)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
     if args.list:
         from otb_tir.builders import list_plugins
 

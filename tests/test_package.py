@@ -99,7 +99,10 @@ def test_console_scripts_train_and_eval_from_a_folder_outside_the_checkout(venv,
     helptext = _sh([bin_ / "otb-tir-train", "--help"], cwd=user).stdout
     for section in ("model:", "rollout:", "multi_turn:", "actor:", "algorithm:", "trainer:"):
         assert section in helptext
-    assert "docs/configuration.md" in helptext and "--print-config" in helptext
+    assert "--reference" in helptext and "--print-config" in helptext
+    # the reference --help points to works without the checkout: every key, as docs/configuration.md
+    reference = _sh([bin_ / "otb-tir-train", "--reference"], cwd=user).stdout
+    assert reference == (ROOT / "docs" / "configuration.md").read_text()
     printed = _sh([bin_ / "python", "-m", "otb_tir.train", "--print-config", "rollout.n=3"], cwd=user).stdout
     assert "'n': 3" in printed and "adv_estimator: tir_optimal_token_baseline" in printed
     assert "pass_k:" in _sh([bin_ / "otb-tir-eval", "--print-config"], cwd=user).stdout
