@@ -64,7 +64,7 @@ def resolve_device(name: str) -> Any:
 def load_data_files(key: str, files: Any) -> list[dict[str, Any]]:
     """The rows of the verl-format parquet ``files`` given by config key ``key``; a file that is
     missing, unreadable or not in verl's format is a :class:`ConfigError` naming the key, the file
-    and what is wrong (with the fix: ``recipes/prepare_data.py`` writes the format)."""
+    and what is wrong (with the fix: ``otb-tir-prepare-data`` writes the format)."""
     from agent_env import EnvError
     from agent_env.math_task.data import load_parquet
 
@@ -106,7 +106,7 @@ def check_inputs(cfg: Any) -> None:
     verl-format parquet with well-formed rows, the held-out figures come from the user's data when
     they train on their own, and ``model.path`` is a model folder whose tokenizer has a chat
     template. Raises :class:`ConfigError`."""
-    load_data_files("data.train_files", cfg.data.train_files)
+    train = load_data_files("data.train_files", cfg.data.train_files)
     load_data_files("data.val_files", cfg.data.val_files)
     if cfg.data.train_files and not cfg.data.val_files and (cfg.eval.before or cfg.eval.after):
         # refused, not warned: the before/after figures would silently be another task's
@@ -114,6 +114,11 @@ def check_inputs(cfg: Any) -> None:
             "data.train_files is set but data.val_files is not: the held-out figures before and after "
             f"training would be on data.task={cfg.data.task}'s generated problems, not your data. Give "
             "data.val_files=[test.parquet], or eval.before=false eval.after=false to train without them"
+        )
+    if cfg.data.train_files and len(train) < cfg.data.train_batch_size:  # (the cursor says it again, later)
+        raise ConfigError(
+            f"data.train_batch_size ({cfg.data.train_batch_size}) exceeds the number of training prompts "
+            f"({len(train)} in data.train_files): lower it or give more data"
         )
     if cfg.model.path:
         check_tokenizer(policy_path(cfg))

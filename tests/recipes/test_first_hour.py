@@ -64,7 +64,10 @@ def user(tmp_path_factory, tiny_model_dir):
 CASES = {
     "missing file": (["data.train_files=[data/nope.parquet]"], ["data.train_files: file not found", "nope.parquet"]),
     "no brackets": (["data.train_files=data/good.parquet"], ["write it as data.train_files=[a, b]"]),
-    "not verl columns": (["data.train_files=[data/plain.parquet]"], ["lacks the verl column(s)", "prepare_data.py"]),
+    "not verl columns": (
+        ["data.train_files=[data/plain.parquet]"],
+        ["lacks the verl column(s)", "otb-tir-prepare-data"],
+    ),
     "prompt as a string": (
         ["data.train_files=[data/good.parquet]", "data.val_files=[data/prompt_as_string.parquet]"],
         ["data.val_files:", "'prompt' must be a non-empty list"],
@@ -217,3 +220,60 @@ def test_a_users_package_shadowing_ours_is_named_at_start(tmp_path, name, how):
         timeout=120,
     )
     _assert_one_line_error(proc, f"'{name}' resolves to {mine / name}", f"not otb-tir's {REPO / name}")
+
+
+def test_prepare_data_console_script_writes_train_and_test_in_one_call(tmp_path):
+    """``otb-tir-prepare-data --test-frac``: one input, both files a run needs, disjoint, from the
+    user's own folder; training accepts them as they are."""
+    from agent_env.math_task.data import load_parquet
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"} for i in range(8)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bin_ = Path(sys.executable).parent
+    proc = subprocess.run(
+        [str(bin_ / "otb-tir-prepare-data"), "--gsm8k", "gsm8k.jsonl", "--test-frac", "0.25", "--out", "data"],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train, test = (load_parquet(tmp_path / "data" / f"gsm8k_{s}.parquet") for s in ("train", "test"))
+    assert len(train) == 6 and len(test) == 2
+    questions = [r["extra_info"]["question"] for r in train + test]
+    assert sorted(questions) == sorted(r["question"] for r in rows)  # every record once, in one split
+    assert {r["extra_info"]["split"] for r in test} == {"test"} and [r["extra_info"]["index"] for r in test] == [0, 1]
+    proc = _cmd(
+        "train_tir_math.py",
+        tmp_path,
+        "data.train_files=[data/gsm8k_train.parquet]",
+        "data.val_files=[data/gsm8k_test.parquet]",
+        "trainer.total_steps=0",
+        "eval.before=false",
+        "eval.after=false",
+        "trainer.output_dir=run",
+    )
+    # 6 prompts cannot fill the default batch of 8: said at start, before the model loads
+    _assert_one_line_error(proc, "data.train_batch_size (8) exceeds the number of training prompts (6")
+    assert "Loading weights" not in proc.stderr and not (tmp_path / "run").exists()
+    proc = _cmd(
+        "train_tir_math.py",
+        tmp_path,
+        "data.train_files=[data/gsm8k_train.parquet]",
+        "data.val_files=[data/gsm8k_test.parquet]",
+        "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2",
+        "trainer.total_steps=0",
+        "eval.before=false",
+        "eval.after=false",
+        "trainer.output_dir=run",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bad = subprocess.run(
+        [str(bin_ / "otb-tir-prepare-data"), "--gsm8k", "gsm8k.jsonl", "--test-frac", "1.5"],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "--test-frac must be between 0 and 1" in bad.stderr

@@ -1,8 +1,7 @@
-"""recipes/prepare_data.py on small GSM8K / MATH fixture files written here."""
+"""otb-tir-prepare-data (recipes/prepare_data.py) on small GSM8K / MATH fixture files written here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,9 +13,7 @@ from agent_env.math_task.data import load_parquet, make_split
 from otb_tir import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "recipes" / "prepare_data.py")
-prepare_data = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(prepare_data)
+from otb_tir import prepare_data  # noqa: E402  (recipes/prepare_data.py is its thin wrapper)
 
 GSM8K = [
     {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
