@@ -9,7 +9,7 @@
 #  - TransferQueue, which verl's trainer imports but `pip install verl` does not pull in.
 # --no-compile: pip byte-compiles thousands of files that are never imported (most of the install's
 # time on 2 cores); Python compiles what it imports on first use.
-# GPU machines do not use this script: `pip install "otb-tir[verl,vllm]"` (or `[verl,sglang]`).
+# GPU machines do not use this script: `pip install -e ".[verl,vllm]"` in the checkout (or `[verl,sglang]`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -20,12 +20,13 @@ import logging
 import os
 from typing import Any
 
+from agent_env import install_hint
 from otb_tir import ConfigError
 
 logger = logging.getLogger(__name__)
 
 VERL_VERSION = "0.9.1"
-INSTALL_HINT = "pip install 'otb-tir[verl]'"
+INSTALL_HINT = install_hint("verl")
 #: set to 1 (the recipe's ``verl.allow_untested_version=true``) to run with a verl other than VERL_VERSION
 UNTESTED_ENV = "OTB_TIR_ALLOW_UNTESTED_VERL"
 
@@ -36,8 +37,8 @@ def require_verl() -> Any:
         return importlib.import_module("verl")
     except ImportError as exc:
         raise ConfigError(
-            f"the verl path needs verl {VERL_VERSION} and its trainer dependencies, which are not "
-            f"installed ({exc}): {INSTALL_HINT}"
+            f"the verl path (verl.dry_run too: it checks the config against verl's own classes) needs verl "
+            f"{VERL_VERSION} and its trainer dependencies, which are not installed ({exc}): {INSTALL_HINT}"
         ) from exc
 
 

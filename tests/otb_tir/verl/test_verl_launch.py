@@ -337,7 +337,7 @@ def test_missing_verl_gives_one_clear_error(monkeypatch):
     from otb_tir.verl import require_verl
 
     monkeypatch.setitem(sys.modules, "verl", None)
-    with pytest.raises(ConfigError, match=r"pip install 'otb-tir\[verl\]'"):
+    with pytest.raises(ConfigError, match=r"verl.dry_run too.*pip install -e '\.\[verl\]' in the otb-tir checkout"):
         require_verl()
 
 
