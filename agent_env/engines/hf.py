@@ -55,6 +55,28 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 INLINE_YIELDS = 8  # event-loop iterations between two steps run on the loop's thread
 
 
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The KV cache argument of ``model``'s forward under the installed transformers: ``cache`` where
+    its forward takes it (transformers >= 5.2x; ``past_key_values`` is deprecated there, to go in
+    5.40), ``past_key_values`` before."""
+    forward = type(model).forward
+    name = _CACHE_ARG.get(forward)
+    if name is None:
+        import inspect
+
+        name = _CACHE_ARG[forward] = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def returned_cache(out: Any) -> Any:
+    """The KV cache a forward returned (``out.cache``, or ``out.past_key_values`` before)."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
+
+
+_CACHE_ARG: dict[Any, str] = {}
+
+
 class HFEngine(RunningBatch):
     """Engine over a Hugging Face causal LM (CPU or GPU), continuous batching with a KV cache.
 
@@ -356,11 +378,11 @@ class HFEngine(RunningBatch):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **cache_kwargs(self.model, cache),
         )
-        return out.logits[:, -1, :].float(), out.past_key_values
+        return out.logits[:, -1, :].float(), returned_cache(out)
 
     def _decode(self) -> list[int]:
         assert self._next is not None and self._mask is not None and self._pos is not None

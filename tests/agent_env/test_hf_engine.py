@@ -673,3 +673,26 @@ def test_cpu_threads_hold_during_steps_and_torch_setting_is_back_after(tiny_mode
 def test_cpu_threads_rejects_a_negative_count(tiny_model_dir):
     with pytest.raises(EngineError, match="cpu_threads must be >= 0"):
         HFEngine(tiny_model_dir, cpu_threads=-1)
+
+
+def test_the_kv_cache_argument_follows_the_installed_transformers(tiny_model_factory):
+    """transformers 5.2x renamed forward's ``past_key_values`` to ``cache`` (the old name warns and goes
+    in 5.40): the engine passes and reads whichever the model's forward has. The installed model's own
+    forward, and a forward in the new style."""
+    import inspect
+
+    from agent_env.engines.hf import cache_kwargs, returned_cache
+
+    model = tiny_model_factory()
+    params = inspect.signature(type(model).forward).parameters
+    expected = "cache" if "cache" in params else "past_key_values"
+    assert cache_kwargs(model, "C") == {expected: "C"}
+    out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert returned_cache(out) is not None and returned_cache(out) is getattr(out, expected)
+
+    class NewStyle(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            return {"cache": cache}
+
+    assert cache_kwargs(NewStyle(), "C") == {"cache": "C"}
+    assert returned_cache(NewStyle()(cache="C")) == "C"
