@@ -218,15 +218,21 @@ def test_the_batch_verl_built_keeps_the_multi_turn_contract(readme_run):
 # tests/support/verl_faults.py): the control that shows the weight-sync measure can fail. Every mode moves
 # weights with the same checkpoint manager and CPU worker extension (otb_tir.verl.cpu.CPUWorkerExtension),
 # so CI runs that one pair; sync's and legacy's pairs were measured on 2026-12-04 (docs/verl.md), each
-# would add a verl start (~2 minutes here).
+# would add a verl start (~2 minutes here). The legacy trainer's run is outside CI's budget (BEYOND_CI).
 DEFAULT_STEPS = 15  # the recipe's
 MODES = {"colocate_async": 3, "sync": DEFAULT_STEPS, "legacy": 2}
+# verl runs beyond CI's time budget (45 minutes on the slower machine of this kind): the legacy trainer's
+# (verl's retiring RayPPOTrainer; its config is checked in CI by test_verl_launch) and colocate_async's
+# kill-and-resume. Last run: docs/verl.md.
+BEYOND_CI = os.environ.get("OTB_TIR_VERL_BEYOND_CI") == "1"
 HIGH_LR = [*SMALL, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.optim.lr=0.1"]
 
 
 @pytest.fixture(scope="module", params=list(MODES))
 def mode_runs(request, verl_python, tmp_path_factory):
     mode = request.param
+    if mode == "legacy" and not BEYOND_CI:
+        pytest.skip("the legacy trainer's end-to-end run is outside CI's time budget: OTB_TIR_VERL_BEYOND_CI=1")
     root = tmp_path_factory.mktemp(f"mode_{mode}")
     fault_env = {"VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults", "PYTHONPATH": str(REPO)}
     outs = {}
@@ -565,9 +571,9 @@ def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once_an
 def test_colocate_async_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(verl_python, tmp_path):
     """The same for V1 ``colocate_async`` (one batch generated ahead: verl re-issues the in-flight
     prompts on resume), without the replica kill. Two more verl starts than CI's budget holds: run with
-    ``OTB_TIR_VERL_RESUME_ALL=1``; recorded in docs/verl.md."""
-    if os.environ.get("OTB_TIR_VERL_RESUME_ALL") != "1":
-        pytest.skip("colocate_async's resume runs with OTB_TIR_VERL_RESUME_ALL=1 (outside CI's time budget)")
+    ``OTB_TIR_VERL_BEYOND_CI=1``; recorded in docs/verl.md."""
+    if not BEYOND_CI:
+        pytest.skip("colocate_async's resume runs with OTB_TIR_VERL_BEYOND_CI=1 (outside CI's time budget)")
     out, facts = _killed_and_resumed(verl_python, tmp_path, "colocate_async", kill_replica=False)
     assert max(r["step"] for r in facts["killed_rows"]) >= 2
     _assert_every_step_once(out)
