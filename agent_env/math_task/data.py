@@ -341,7 +341,7 @@ def load_parquet(path: str | Path) -> list[dict[str, Any]]:
         raise EnvError(
             f"{path} lacks the verl column(s) {missing}; it has {table.column_names}. "
             "Expected data_source, prompt, reward_model (with ground_truth), "
-            "extra_info, agent_name (otb-tir-prepare-data writes them from GSM8K / MATH files)."
+            "extra_info, agent_name (see recipes/prepare_data.py)."
         )
     rows = table.to_pylist()
     for i, row in enumerate(rows):

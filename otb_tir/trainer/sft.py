@@ -137,18 +137,12 @@ def masked_lm_loss(
             )
         return _loss_from_hidden(model, hidden, labels) / n_targets
     bsz = ids.size(0)
-    from agent_env.engines.hf import cache_kwargs, returned_cache
-
     out = base(input_ids=ids[:1, :prefix], use_cache=True)
-    cache = returned_cache(out)
+    cache = out.past_key_values
     cache.batch_repeat_interleave(bsz)
     positions = torch.arange(prefix, ids.size(1)).unsqueeze(0).expand(bsz, -1)
     hidden = base(
-        input_ids=ids[:, prefix:],
-        attention_mask=attn,
-        position_ids=positions,
-        use_cache=True,
-        **cache_kwargs(base, cache),
+        input_ids=ids[:, prefix:], attention_mask=attn, past_key_values=cache, position_ids=positions, use_cache=True
     ).last_hidden_state
     # the prefix's last position predicts the first suffix token: unlabelled by construction
     return _loss_from_hidden(model, hidden, labels[:, prefix:]) / n_targets

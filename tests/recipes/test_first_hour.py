@@ -66,7 +66,7 @@ CASES = {
     "no brackets": (["data.train_files=data/good.parquet"], ["write it as data.train_files=[a, b]"]),
     "not verl columns": (
         ["data.train_files=[data/plain.parquet]"],
-        ["lacks the verl column(s)", "otb-tir-prepare-data"],
+        ["lacks the verl column(s)", "prepare_data.py"],
     ),
     "prompt as a string": (
         ["data.train_files=[data/good.parquet]", "data.val_files=[data/prompt_as_string.parquet]"],

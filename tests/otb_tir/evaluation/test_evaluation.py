@@ -272,7 +272,7 @@ def test_bad_inputs_fail_at_start(tmp_path, tiny_model_dir):
     from otb_tir.evaluation import prepare
 
     base = [f"model.path={tiny_model_dir}", "data.size=2"]
-    with pytest.raises(ConfigError, match="file\\(s\\) not found"):
+    with pytest.raises(ConfigError, match="data.files: file not found: .*nope.parquet"):
         prepare(load_eval_config(DEFAULT_CONFIG, base + [f"data.files=[{tmp_path}/nope.parquet]"]))
     with pytest.raises(ConfigError, match="unknown tool 'pyhton'; available tools: .*python"):
         prepare(load_eval_config(DEFAULT_CONFIG, base + ["multi_turn.tools=[pyhton]"]))
