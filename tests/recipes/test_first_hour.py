@@ -277,3 +277,15 @@ def test_prepare_data_console_script_writes_train_and_test_in_one_call(tmp_path)
         timeout=120,
     )
     assert bad.returncode == 2 and "--test-frac must be between 0 and 1" in bad.stderr
+
+
+def test_the_readme_says_how_to_get_torchs_cpu_build_with_the_pinned_version():
+    """A machine whose index serves PyTorch's CUDA build would pull several GB for README command 1:
+    the README names the CPU wheel index, with the torch version the install scripts pin."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    pins = set(re.findall(r'torch==([0-9.]+)"', (REPO / "scripts" / "install_test_env.sh").read_text()))
+    assert len(pins) == 1, pins
+    (pin,) = pins
+    assert f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in readme
