@@ -289,3 +289,24 @@ def test_the_readme_says_how_to_get_torchs_cpu_build_with_the_pinned_version():
     assert len(pins) == 1, pins
     (pin,) = pins
     assert f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in readme
+
+
+def test_verl_dry_run_without_verl_says_it_needs_verl_and_the_command_that_installs_it(tmp_path):
+    """``trainer=verl verl.dry_run=true`` in an environment without verl (the vLLM one,
+    ``.venv-vllm``): one line saying the dry run needs verl too, and an install command that works
+    in the checkout."""
+    from tests.support.optional import unavailable
+
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        unavailable("no .venv-vllm here (scripts/install_test_env.sh makes it)")
+    proc = subprocess.run(
+        [str(python), str(REPO / "recipes" / "train_tir_math.py"), "trainer=verl", "verl.dry_run=true"]
+        + ["trainer.device=cuda", "trainer.output_dir=dry"],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _assert_one_line_error(proc, "verl.dry_run too", "pip install -e '.[verl]' in the otb-tir checkout")
+    assert not (tmp_path / "dry").exists()
