@@ -348,3 +348,18 @@ def list_plugins() -> str:
         width = max((len(n) for n in reg.names()), default=0)
         lines += [f"  {name:<{width}}  {source}" for name, source in reg.describe()]
     return "\n".join(lines)
+
+
+def serving_engine(name: str, path: Path, *, dtype: str | None, seed: int, engine_kwargs: dict[str, Any]) -> Any:
+    """A vLLM or sglang engine serving the HF checkpoint at ``path`` (training, eval and benchmarks
+    build theirs here). An engine that is not installed, or cannot run on this machine, is an
+    EngineError naming the install."""
+    if name == "vllm":
+        from agent_env.engines.vllm import VLLMEngine
+
+        return VLLMEngine(str(path), dtype=dtype, seed=seed, **engine_kwargs)
+    if name == "sglang":
+        from agent_env.engines.sglang import SGLangEngine
+
+        return SGLangEngine(str(path), dtype=dtype or "auto", seed=seed, **engine_kwargs)
+    raise ValueError(f"no serving engine {name!r}: vllm | sglang")

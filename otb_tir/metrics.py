@@ -188,3 +188,30 @@ def summary_figures(trajs: Sequence[Any]) -> dict[str, float]:
         "mean_reward": m["reward/mean"],
         "n": len(trajs),
     }
+
+
+def rollout_actor_gap(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far the rollout engine's log-probs are from the actor's on the same tokens, under verl's
+    names (``verl.utils.debug.metrics.calculate_debug_metrics``): |π_rollout − π_actor| over the
+    policy tokens (mean, max, std) and the Pearson correlation of the two probabilities. At lag 0
+    (the engine holds the weights the actor scores with) the gap is numerical noise; a gap that grows
+    is a weight sync that did not land, a mask off by a turn, or an engine that samples another
+    distribution (truncation, a wrong temperature)."""
+    keep = mask.bool()
+    names = ("valid", "max", "mean", "std")
+    if not keep.any():
+        out = {f"training/rollout_probs_diff_{k}": float("nan") for k in names}
+        out["training/rollout_probs_diff_valid"] = 0.0
+        out["training/rollout_actor_probs_pearson_corr"] = float("nan")
+        return out
+    actor = old_log_probs.double().exp()[keep]
+    rollout = rollout_log_probs.double().exp()[keep]
+    diff = (actor - rollout).abs()
+    corr = torch.corrcoef(torch.stack([actor, rollout]))[0, 1].item() if actor.numel() > 1 else float("nan")
+    return {
+        "training/rollout_probs_diff_valid": 1.0,
+        "training/rollout_probs_diff_max": diff.max().item(),
+        "training/rollout_probs_diff_mean": diff.mean().item(),
+        "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else float("nan"),
+        "training/rollout_actor_probs_pearson_corr": corr,
+    }

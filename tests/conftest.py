@@ -15,7 +15,7 @@ from typing import Callable
 
 import pytest
 
-HEAVY_TIERS = ("fsdp", "vllm", "verl", "docker")
+HEAVY_TIERS = ("fsdp", "vllm", "sglang", "verl", "docker")
 
 
 def pytest_collection_modifyitems(config, items):

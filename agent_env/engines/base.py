@@ -6,6 +6,7 @@ they sample (token-in-token-out).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, runtime_checkable
 
@@ -85,3 +86,50 @@ def named_tensor_list(
     if not items:
         raise EngineError("update_weights got no tensors")
     return [(name, t.detach()) for name, t in items]
+
+
+def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Names and shapes of the tensors in the folder's safetensors files (headers only), or None."""
+    from pathlib import Path
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def check_update_names(
+    items: list[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]] | None, tied: bool
+) -> None:
+    """Refuse an update whose names or shapes do not match the checkpoint, before the engine is touched.
+
+    A failed in-place reload could leave the engine half-updated, so a bad update is rejected
+    up front. ``lm_head.weight`` is accepted for tied embeddings (HF state dicts carry it; the
+    engines skip it).
+    """
+    if shapes is None:
+        return
+    unknown, mismatched = [], []
+    for name, t in items:
+        if name not in shapes:
+            if not (tied and name == "lm_head.weight"):
+                unknown.append(name)
+        elif tuple(t.shape) != shapes[name]:
+            mismatched.append(f"{name}: got {tuple(t.shape)}, checkpoint has {shapes[name]}")
+    if unknown or mismatched:
+        parts = []
+        if unknown:
+            parts.append(f"unknown names {unknown[:8]}{' …' if len(unknown) > 8 else ''}")
+        if mismatched:
+            parts.append(f"wrong shapes {mismatched[:8]}")
+        raise EngineError(
+            "update_weights refused (" + "; ".join(parts) + "): names and shapes must match the "
+            "HF checkpoint the engine was started from; the engine keeps its current weights"
+        )

@@ -130,14 +130,10 @@ def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
                 prefix_cache_bytes=None if r.enable_prefix_caching else 0,
                 cpu_threads=r.cpu_threads,
             )
+        from otb_tir.builders import serving_engine
+
         dtype = None if r.dtype == "auto" else r.dtype
-        if r.name == "vllm":
-            from agent_env.engines.vllm import VLLMEngine
-
-            return VLLMEngine(str(path), dtype=dtype, seed=cfg.eval.seed, **kwargs)
-        from agent_env.engines.sglang import SGLangEngine
-
-        return SGLangEngine(str(path), dtype=dtype or "auto", seed=cfg.eval.seed, **kwargs)
+        return serving_engine(r.name, path, dtype=dtype, seed=cfg.eval.seed, engine_kwargs=kwargs)
     except EngineError as e:
         raise ConfigError(f"rollout.name={r.name}: {e}") from None
 

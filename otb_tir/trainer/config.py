@@ -48,7 +48,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "auto"  # auto (hf for trainer=local, vllm for trainer=verl) | hf | vllm | sglang
+    name: str = "auto"  # auto (hf for trainer=local, vllm for trainer=verl) | hf | vllm | sglang (each on both)
     n: int = 8  # samples per prompt (the group size of the baselines)
     temperature: float = 1.0  # sampling temperature (0 = greedy)
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
@@ -62,6 +62,9 @@ class RolloutConfig:
     # keep a finished turn's keys/values for the episode's next turn, so only the tool's answer is prefilled
     # (hf engine: up to 256 MiB, dropped when the weights change; vllm/sglang: their own prefix caching)
     enable_prefix_caching: bool = True
+    # vllm / sglang engine (trainer=local): keyword arguments for VLLMEngine / SGLangEngine (vLLM's LLM,
+    # sglang's ServerArgs: max_model_len, context_length ...); the engine gets the new weights after each update
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -193,7 +193,14 @@ def build_parts(
         prefix_cache_bytes=None if cfg.rollout.enable_prefix_caching else 0,
         cpu_threads=cfg.rollout.cpu_threads,
     )
-    if shard:
+    if cfg.rollout.name in ("vllm", "sglang"):
+        engine = _serving_engine(cfg, path, shard, policy)
+
+        def weights_fn():  # the engine holds its own copy: the new weights go in after each update
+            return model.state_dict()
+
+        actor = model
+    elif shard:
         # the engine keeps its own unsharded copy; the full state dict is copied in after each update
         engine = HFEngine(model, tokenizer, device=device, share_weights=False, **common)
         hf_model = model
@@ -237,3 +244,28 @@ def build_parts(
         policy_path=path,
         autocast_dtype=autocast,
     )
+
+
+def _serving_engine(cfg: Any, path: Path | None, shard: bool, policy: Any) -> Any:
+    """rollout.name=vllm|sglang on the local trainer: the engine serves the checkpoint the actor starts
+    from and gets the actor's weights after every update (Trainer._sync_weights)."""
+    from omegaconf import OmegaConf
+
+    from agent_env.engines.base import EngineError
+    from otb_tir import ConfigError
+    from otb_tir.builders import serving_engine
+
+    name = cfg.rollout.name
+    if shard:
+        raise ConfigError(
+            f"rollout.name={name} with torchrun: one serving engine per process is not supported; "
+            "use rollout.name=hf under torchrun, or trainer=verl to serve with vLLM / sglang at scale"
+        )
+    if policy is not None or path is None:
+        raise ConfigError(f"rollout.name={name} serves a checkpoint folder (model.path), not an in-memory policy")
+    kwargs = OmegaConf.to_container(cfg.rollout.engine_kwargs, resolve=True) if cfg.rollout.engine_kwargs else {}
+    dtype = None if cfg.model.dtype == "float32" else cfg.model.dtype
+    try:
+        return serving_engine(name, path, dtype=dtype or "float32", seed=cfg.trainer.seed, engine_kwargs=kwargs)
+    except EngineError as e:
+        raise ConfigError(f"rollout.name={name}: {e}") from None

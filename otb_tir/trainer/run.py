@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from otb_tir import ConfigError
 from otb_tir.builders import held_out, resolve_device, resolved_plugins, seed_everything
 
 log = logging.getLogger(__name__)
@@ -56,11 +55,6 @@ def _run(cfg, info, reward_fn, setup) -> dict[str, Any]:
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     barrier(world)
     seed_everything(cfg.trainer.seed)
-    if cfg.rollout.name != "hf":
-        raise ConfigError(
-            f"the local trainer runs rollout.name=hf; rollout.name={cfg.rollout.name} "
-            "is for trainer=verl (vLLM / sglang servers managed by verl)"
-        )
     device = info.device if info.distributed else resolve_device(cfg.trainer.device)
     tools = build_tools(cfg)  # before any heavy work: a tool that does not load stops the run here
     try:

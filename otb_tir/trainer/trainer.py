@@ -28,7 +28,13 @@ from agent_env import AgentEnv, RolloutBatch, Trajectory, rollout_async
 from agent_env.rollout import run_sync
 from otb_tir import ConfigError
 from otb_tir.advantage import place_reward_on_last_policy_token
-from otb_tir.metrics import advantage_stats, equal_reward_group_frac, trajectory_metrics, variance_proxy_metrics
+from otb_tir.metrics import (
+    advantage_stats,
+    equal_reward_group_frac,
+    rollout_actor_gap,
+    trajectory_metrics,
+    variance_proxy_metrics,
+)
 from otb_tir.trainer.actor import compute_old_stats, on_policy_update, one_forward_applies, ppo_update
 from otb_tir.trainer.checkpoint import (
     load_distributed_state,
@@ -230,6 +236,8 @@ class Trainer:
                 "loss_mask": loss_mask,
                 "old_log_probs": tensors["old_log_probs"],
                 "sum_pi_squared": tensors["sum_pi_squared"],
+                "rollout_log_probs": tensors["rollout_log_probs"],
+                "response_mask": tensors["response_mask"],
             }
             if is_weights is not None:
                 local["is_weights"] = is_weights
@@ -249,6 +257,10 @@ class Trainer:
                     rollout_is_weights=g_all.get("is_weights"),
                     gradient_norm=actor_metrics.get("actor/grad_norm"),
                 )
+            )
+            # the engine's log-probs against the actor's on the same tokens (lag 0: noise), every engine
+            metrics.update(
+                rollout_actor_gap(g_all["rollout_log_probs"], g_all["old_log_probs"], g_all["response_mask"])
             )
             metrics["actor/lr"] = lr_used
             metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))

@@ -1,5 +1,5 @@
 """The token-in-token-out check both rollout suites make (the HF one in tests/agent_env/test_rollout.py
-and the vLLM one in vllm_checks.py, run as a script in .venv-vllm, which imports this file as its
+and the engine one in engine_checks.py, run as a script in .venv-vllm or .venv-sglang, which imports this file as its
 sibling): the rollout's log-probs against an HF forward over the collated batch."""
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -91,3 +93,39 @@ def test_advantage_stats():
         advantage_stats(adv, mask[:, :2])
     with pytest.raises(ConfigError):
         variance_proxy_metrics(adv, mask, adv, adv[:, :2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 12), st.integers(0, 2**31 - 1), st.booleans())
+def test_rollout_actor_gap_equals_verls_debug_metrics(rows: int, cols: int, seed: int, empty: bool) -> None:
+    """The gap the local trainer logs every step, against verl's own calculate_debug_metrics."""
+    need("verl")
+    from verl import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    from otb_tir.metrics import rollout_actor_gap
+
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(rows, cols, generator=g, dtype=torch.float64) * 3
+    rollout = old + torch.randn(rows, cols, generator=g, dtype=torch.float64) * 0.1
+    mask = (torch.rand(rows, cols, generator=g) < 0.7).long()
+    if empty:
+        mask.zero_()
+    rollout = rollout * mask  # the batch's convention: 0 off the policy tokens
+    data = DataProto.from_dict(
+        tensors={
+            "rollout_log_probs": rollout,
+            "old_log_probs": old,
+            "response_mask": mask,
+            "responses": torch.zeros(rows, cols, dtype=torch.long),
+        }
+    )
+    want = calculate_debug_metrics(data)
+    got = rollout_actor_gap(rollout, old, mask)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        value = float(value)
+        if math.isnan(value):
+            assert math.isnan(got[key]), key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

@@ -1,9 +1,12 @@
-"""VLLMEngine checks, run inside the vLLM environment (``.venv-vllm``), one vLLM start for all.
+"""Engine contract checks on a real serving engine, run inside its environment, one engine start for all.
 
-    .venv-vllm/bin/python tests/support/vllm_checks.py MODEL_DIR OUT.json [--bench]
+    .venv-vllm/bin/python   tests/support/engine_checks.py vllm   MODEL_DIR OUT.json [--bench]
+    .venv-sglang/bin/python tests/support/engine_checks.py sglang MODEL_DIR OUT.json [--bench]
 
-Writes one JSON object of measured facts (never pass/fail decisions: the pytest side,
-tests/agent_env/test_vllm_engine.py, asserts on them). Every log-prob figure is a max |difference|
+The same checks for every engine (VLLMEngine, SGLangEngine), plus a few about one engine's own
+mechanism (vLLM's tied lm_head reload; the prefix cache each keeps). Writes one JSON object of
+measured facts (never pass/fail decisions: the pytest side, tests/agent_env/test_engine_contract.py
+asserts on them). Every log-prob figure is a max |difference|
 against an HF transformers forward pass of the same fp32 weights with the same temperature
 (the Engine contract: log_softmax(logits / T) of each sampled token over the full vocabulary).
 """
@@ -48,21 +51,35 @@ def perturbed_state(model: Any, scale: float, seed: int) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    out: dict[str, Any] = {}
+    seen: dict[int, str] = {}  # tied parameters (embedding and lm_head) stay tied: one new tensor
     for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            out[name] = out[seen[t.data_ptr()]]
+            continue
+        seen[t.data_ptr()] = name
         noise = torch.randn(t.shape, generator=g, dtype=t.dtype) * scale * (t.float().std().item() or 1.0)
         out[name] = (t + noise).contiguous()
     return out
 
 
-async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
+def make_engine(name: str, model_dir: str) -> Any:
+    if name == "vllm":
+        from agent_env.engines import VLLMEngine
+
+        return VLLMEngine(model_dir, seed=0, max_model_len=2048)
+    from agent_env.engines import SGLangEngine
+
+    return SGLangEngine(model_dir, seed=0, context_length=2048)
+
+
+async def run_checks(name: str, model_dir: str, bench: bool) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agent_env.engines import SamplingParams, VLLMEngine
-    from agent_env.engines.vllm_weights import worker_reload
+    from agent_env.engines import SamplingParams
 
-    res: dict[str, Any] = {"temperature": TEMPERATURE}
+    res: dict[str, Any] = {"engine": name, "temperature": TEMPERATURE}
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -87,13 +104,9 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     ]
 
     t0 = time.perf_counter()
-    import vllm  # noqa: F401 - timed separately from the engine start
-
-    res["import_vllm_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine = VLLMEngine(model_dir, seed=0, max_model_len=2048)
+    engine = make_engine(name, model_dir)
     res["startup_s"] = time.perf_counter() - t0
-    res["weight_update_mode"] = engine.weight_update_mode
+    res["weight_update_mode"] = getattr(engine, "weight_update_mode", "update_weights_from_tensor")
     res["on_cpu"] = engine.on_cpu
 
     # 1. Concurrent sampling: ids, finish reasons, log-probs vs HF.
@@ -107,7 +120,7 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
         "finish": [o.finish_reason for o in outs],
         "max_logprob_diff": max(diffs),
         "max_concurrent_in_engine": engine.stats.max_concurrent,
-        "steps": engine.stats.steps,
+        "steps": getattr(engine.stats, "steps", None),
     }
     # temperature 1 too (a mis-scaled engine would only be caught at T != 1, this checks T = 1)
     o1 = await engine.generate(prompts[0], SamplingParams(max_tokens=24, temperature=1.0, seed=5))
@@ -115,7 +128,10 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     # the same tokens scored at T=1 instead of 0.7: how far a wrong temperature would be
     res["wrong_temperature_diff"] = max_diff(outs[0].logprobs, hf_logprobs(hf, prompts[0], outs[0].token_ids, 1.0))
 
-    # 2. Seeds: same seed → same ids; different seed → different ids.
+    # 2. Seeds: same seed → same ids; different seed → different ids (where the engine honours seeds;
+    # sglang's CPU backends do not, and SGLangEngine says so: honours_seed=False).
+    honours_seed = getattr(engine, "honours_seed", True)
+    res["honours_seed"] = honours_seed
     base_sp = SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7)
     a = await engine.generate(prompts[1], base_sp)
     b = await engine.generate(prompts[1], base_sp)
@@ -125,29 +141,35 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
         "different_equal": a.token_ids == c.token_ids,
         "reference_ids": a.token_ids,
     }
+    # The stop checks replay a reference run: seeded where seeds hold, greedy (T=0) otherwise.
+    ref_t = TEMPERATURE if honours_seed else 0.0
+    if not honours_seed:
+        a = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=0.0))
 
-    # 3. Stop token id: the k-th sampled token of the seeded run becomes a stop token.
+    def stop_sp(**kw: Any) -> Any:
+        return SamplingParams(max_tokens=32, temperature=ref_t, seed=7, **kw)
+
+    def lp_diff(out: Any, prompt: list[int]) -> float | None:
+        return max_diff(out.logprobs, hf_logprobs(hf, prompt, out.token_ids, ref_t)) if ref_t > 0 else None
+
+    # 3. Stop token id: the k-th sampled token of the reference run becomes a stop token.
     ref = a.token_ids
     k = 5
     stop_tok = ref[k]
     first = ref.index(stop_tok)
-    st = await engine.generate(
-        prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop_token_ids=[stop_tok])
-    )
+    st = await engine.generate(prompts[1], stop_sp(stop_token_ids=[stop_tok]))
     res["stop_token"] = {
         "ids": st.token_ids,
         "expected": ref[: first + 1],
         "finish": st.finish_reason,
-        "max_logprob_diff": max_diff(st.logprobs, hf_logprobs(hf, prompts[1], st.token_ids, TEMPERATURE)),
+        "max_logprob_diff": lp_diff(st, prompts[1]),
     }
 
-    # 4. Stop string: a piece of the seeded run's text (ending inside the run) becomes a stop string.
+    # 4. Stop string: a piece of the reference run's text (ending inside the run) becomes a stop string.
     text = tok.decode(ref, skip_special_tokens=False)
     prefix_text = tok.decode(ref[:10], skip_special_tokens=False)
     stop_str = prefix_text[-3:] if len(prefix_text.strip()) >= 3 else text[:3]
-    ss = await engine.generate(
-        prompts[1], SamplingParams(max_tokens=32, temperature=TEMPERATURE, seed=7, stop=[stop_str])
-    )
+    ss = await engine.generate(prompts[1], stop_sp(stop=[stop_str]))
     ss_text = tok.decode(ss.token_ids, skip_special_tokens=False)
     res["stop_string"] = {
         "stop": stop_str,
@@ -167,16 +189,16 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
 
     # 6. Bad input gives a clear error, loses nothing (the engine keeps working after).
     errors = {}
-    for name, call in {
+    for which, call in {
         "empty_prompt": lambda: engine.generate([], SamplingParams(max_tokens=4)),
         "top_p": lambda: engine.generate(prompts[0], SamplingParams(max_tokens=4, top_p=0.9)),
         "too_long": lambda: engine.generate(list(prompts[0]) * 400, SamplingParams(max_tokens=4)),
     }.items():
         try:
             await call()
-            errors[name] = None
+            errors[which] = None
         except Exception as exc:  # noqa: BLE001 - recorded for the test
-            errors[name] = f"{type(exc).__name__}: {exc}"
+            errors[which] = f"{type(exc).__name__}: {exc}"
     ok_after = await engine.generate(prompts[0], SamplingParams(max_tokens=4, temperature=TEMPERATURE, seed=1))
     res["errors"] = errors
     res["works_after_errors"] = len(ok_after.token_ids) == 4 or ok_after.finish_reason == "stop"
@@ -220,7 +242,7 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
 
     # 7b. A bad update is refused up front and the engine keeps the current (new2) weights.
     bad_updates = {}
-    for name, bad in {
+    for which, bad in {
         "unknown_name": {"model.no_such.weight": torch.zeros(3)},
         "wrong_shape": {"model.embed_tokens.weight": torch.zeros(3, 3)},
         "not_tensors": [("model.embed_tokens.weight", 3)],
@@ -228,9 +250,9 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     }.items():
         try:
             await engine.update_weights(bad)
-            bad_updates[name] = None
+            bad_updates[which] = None
         except Exception as exc:  # noqa: BLE001
-            bad_updates[name] = f"{type(exc).__name__}: {exc}"
+            bad_updates[which] = f"{type(exc).__name__}: {exc}"
     res["bad_updates"] = bad_updates
     kept = await engine.generate(long_prompt, sp_long)
     res["after_bad_update_diff"] = max_diff(kept.logprobs, hf_logprobs(hf, long_prompt, kept.token_ids, TEMPERATURE))
@@ -266,13 +288,47 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
         res["cancelled"] = True
     after_cancel = await engine.generate(prompts[0], SamplingParams(max_tokens=8, temperature=TEMPERATURE, seed=10))
     res["after_cancel_tokens"] = len(after_cancel.token_ids)
+    res["pending_after_cancel"] = len(engine._pending)
+    if name == "vllm":
+        res.update(await vllm_only(engine, hf, hf_old, long_prompt, sp_long))
+    else:
+        res["unfinished_after_cancel"] = len(engine._engine.tokenizer_manager.rid_to_state)
+        res.update(await sglang_only(engine, hf, hf_old, long_prompt, sp_long))
+
+    # 9. Real multi-turn episodes (agent_env.rollout, real tools) on the engine: token-drift invariants.
+    try:
+        res["episode"] = await episode_check(engine, tok, hf, model_dir)
+    except Exception:  # noqa: BLE001 - reported, the test decides
+        res["episode"] = {"error": traceback.format_exc(limit=4)}
+
+    if bench:
+        res["bench"] = await benchmark(engine, hf, tok, prompts)
+
+    res["stats"] = {
+        "steps": getattr(engine.stats, "steps", None),
+        "requests": engine.stats.requests,
+        "generated_tokens": engine.stats.generated_tokens,
+        "weight_updates": engine.stats.weight_updates,
+    }
+    await engine.close()
+    try:
+        await engine.generate(prompts[0], SamplingParams(max_tokens=2))
+        res["closed_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["closed_error"] = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def vllm_only(engine: Any, hf: Any, hf_old: Any, long_prompt: list[int], sp_long: Any) -> dict[str, Any]:
+    """vLLM's own mechanisms: the prefix-cache reset after an update, the tied lm_head reload."""
+    from agent_env.engines.vllm_weights import worker_reload
+
+    res: dict[str, Any] = {}
     res["unfinished_after_cancel"] = await engine._call(
         lambda: engine._engine.get_num_unfinished_requests(), drain=False
     )
-    res["pending_after_cancel"] = len(engine._pending)
-
     # 8. Sensitivity: the same update WITHOUT the prefix-cache reset must give stale log-probs,
-    # proving the checks above can fail. (The cache now holds new2's KV for long_prompt.)
+    # proving the checks above can fail. (The cache now holds new5's KV for long_prompt.)
     new3 = perturbed_state(hf_old, 0.5, seed=3)
     items3 = list(new3.items())
     await engine._call(lambda: engine._llm.collective_rpc(worker_reload, args=(items3,)))
@@ -294,28 +350,20 @@ async def run_checks(model_dir: str, bench: bool) -> dict[str, Any]:
     await engine.update_weights(new4)  # the real path again
     fixed = await engine.generate(long_prompt, sp_long)
     res["lm_head_fixed_diff"] = max_diff(fixed.logprobs, hf_logprobs(hf, long_prompt, fixed.token_ids, TEMPERATURE))
+    return res
 
-    # 9. Real multi-turn episodes (agent_env.rollout, real tools) on VLLMEngine: token-drift invariants.
-    try:
-        res["episode"] = await episode_check(engine, tok, hf, model_dir)
-    except Exception:  # noqa: BLE001 - reported, the test decides
-        res["episode"] = {"error": traceback.format_exc(limit=4)}
 
-    if bench:
-        res["bench"] = await benchmark(engine, hf, tok, prompts)
-
-    res["stats"] = {
-        "steps": engine.stats.steps,
-        "requests": engine.stats.requests,
-        "generated_tokens": engine.stats.generated_tokens,
-        "weight_updates": engine.stats.weight_updates,
-    }
-    await engine.close()
-    try:
-        await engine.generate(prompts[0], SamplingParams(max_tokens=2))
-        res["closed_error"] = None
-    except Exception as exc:  # noqa: BLE001
-        res["closed_error"] = f"{type(exc).__name__}: {exc}"
+async def sglang_only(engine: Any, hf: Any, hf_old: Any, long_prompt: list[int], sp_long: Any) -> dict[str, Any]:
+    """sglang's radix cache: an update without the flush must give stale log-probs (the control)."""
+    res: dict[str, Any] = {}
+    new3 = perturbed_state(hf_old, 0.5, seed=3)
+    await engine.update_weights(new3, flush_cache=False)
+    hf.load_state_dict(new3)
+    stale = await engine.generate(long_prompt, sp_long)
+    res["stale_cache_diff"] = max_diff(stale.logprobs, hf_logprobs(hf, long_prompt, stale.token_ids, TEMPERATURE))
+    await engine.reset_prefix_cache()
+    fresh = await engine.generate(long_prompt, sp_long)
+    res["after_reset_diff"] = max_diff(fresh.logprobs, hf_logprobs(hf, long_prompt, fresh.token_ids, TEMPERATURE))
     return res
 
 
@@ -326,8 +374,8 @@ def _worker_reload_without_lm_head_fix(worker: Any, items: list) -> None:
 class _FirstTurnScripted:
     """Pass-through around the real engine; the first turn of some episodes is a scripted tool call
     (the random tiny model almost never writes one), so the episodes really go multi-turn with real
-    tools. Every other turn is sampled by VLLMEngine and recorded, so the check knows exactly which
-    positions vLLM sampled."""
+    tools. Every other turn is sampled by the engine and recorded, so the check knows exactly which
+    positions the engine sampled."""
 
     def __init__(self, engine: Any, tok: Any, first_turns: dict[str, str]) -> None:
         self.engine = engine
@@ -362,7 +410,7 @@ def _tc(name: str, **args: Any) -> str:
 
 
 async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[str, Any]:
-    """Multi-turn episodes with real tools on VLLMEngine, collated; the token-drift invariants."""
+    """Multi-turn episodes with real tools on the engine, collated; the token-drift invariants."""
     import torch
 
     import tools
@@ -452,7 +500,7 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
 
 
 async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) -> dict[str, Any]:
-    """Tokens/s of VLLMEngine vs the reference (HFEngine if present, else HF generate) on one batch."""
+    """Tokens/s of the engine vs the reference (HFEngine if present, else HF generate) on one batch."""
     import torch
 
     from agent_env.engines import SamplingParams
@@ -460,7 +508,7 @@ async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) ->
     n_tokens = 64
     batch = [prompts[i % len(prompts)] for i in range(16)]
 
-    async def vllm_run() -> int:
+    async def engine_run() -> int:
         outs = await asyncio.gather(
             *[
                 engine.generate(p, SamplingParams(max_tokens=n_tokens, temperature=1.0, seed=i, stop_token_ids=[]))
@@ -475,13 +523,13 @@ async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) ->
         n = await run()
         return n, time.perf_counter() - t0
 
-    v_tokens, v_s = await timed(vllm_run)
+    v_tokens, v_s = await timed(engine_run)
     result: dict[str, Any] = {
         "batch": len(batch),
         "max_tokens": n_tokens,
-        "vllm_tokens": v_tokens,
-        "vllm_s": v_s,
-        "vllm_tok_per_s": v_tokens / v_s,
+        "engine_tokens": v_tokens,
+        "engine_s": v_s,
+        "engine_tok_per_s": v_tokens / v_s,
     }
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
 
@@ -505,7 +553,7 @@ async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) ->
 
     g_tokens, g_s = await timed(generate_run)
     result.update(
-        {"hf_generate_tok_per_s": g_tokens / g_s, "vllm_over_hf_generate": (v_tokens / v_s) / (g_tokens / g_s)}
+        {"hf_generate_tok_per_s": g_tokens / g_s, "engine_over_hf_generate": (v_tokens / v_s) / (g_tokens / g_s)}
     )
     try:
         from agent_env.engines import HFEngine
@@ -523,20 +571,24 @@ async def benchmark(engine: Any, hf: Any, tok: Any, prompts: list[list[int]]) ->
 
         e_tokens, e_s = await timed(hfengine_run)
         await hf_engine.close()
-        result.update({"hfengine_tok_per_s": e_tokens / e_s, "vllm_over_hfengine": (v_tokens / v_s) / (e_tokens / e_s)})
+        result.update(
+            {"hfengine_tok_per_s": e_tokens / e_s, "engine_over_hfengine": (v_tokens / v_s) / (e_tokens / e_s)}
+        )
     except Exception as exc:  # noqa: BLE001 - the benchmark reports what it could not measure
         result["hfengine_error"] = f"{type(exc).__name__}: {exc}"
     return result
 
 
 def main() -> None:
-    if len(sys.argv) < 3:
+    if len(sys.argv) < 4:
         raise SystemExit(__doc__)
-    model_dir, out_path = sys.argv[1], sys.argv[2]
-    bench = "--bench" in sys.argv[3:]
+    name, model_dir, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    if name not in ("vllm", "sglang"):
+        raise SystemExit(f"unknown engine {name!r}: vllm | sglang\n{__doc__}")
+    bench = "--bench" in sys.argv[4:]
     t0 = time.perf_counter()
     try:
-        res = asyncio.run(run_checks(model_dir, bench))
+        res = asyncio.run(run_checks(name, model_dir, bench))
     except Exception:  # noqa: BLE001 - the test shows the traceback
         res = {"fatal": traceback.format_exc()}
     res["total_s"] = time.perf_counter() - t0
