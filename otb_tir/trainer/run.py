@@ -78,6 +78,7 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
     summary: dict[str, Any] = {
         "model": str(parts.policy_path),
         "adv_estimator": cfg.algorithm.adv_estimator,
+        "engine": cfg.rollout.name,  # the rollout engine: hf, or a serving engine (vllm, sglang)
         "seed": cfg.trainer.seed,
         "steps": cfg.trainer.total_steps,
         "world_size": world,
