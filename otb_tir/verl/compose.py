@@ -96,6 +96,11 @@ def _check_supported(cfg: DictConfig) -> None:
             f"rollout.name={cfg.rollout.name!r}: the verl path serves the policy with vllm or sglang "
             "(e.g. trainer=verl rollout.name=vllm)"
         )
+    if cfg.rollout.get("engine_kwargs"):
+        raise ConfigError(
+            f"rollout.engine_kwargs {sorted(cfg.rollout.engine_kwargs)} are for the local trainer's vllm/sglang "
+            "engine; verl's rollout takes its settings as verl keys (verl.actor_rollout_ref.rollout.<key>=...)"
+        )
     if cfg.algorithm.adv_estimator in OTB_ESTIMATORS and not cfg.algorithm.handle_zero_tail:
         raise ConfigError(
             "algorithm.handle_zero_tail=false is not available on the verl path (verl's "

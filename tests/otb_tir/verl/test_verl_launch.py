@@ -178,6 +178,7 @@ def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
         ("rollout.name=hf", "vllm or sglang"),
         ("algorithm.handle_zero_tail=false", "handle_zero_tail"),
         ("algorithm.filter.overlong=true", "filter.overlong"),
+        ("rollout.engine_kwargs.max_model_len=512", "engine_kwargs.*local trainer"),
         ("data.train_files=[/nonexistent.parquet]", "not found"),
     ]:
         with pytest.raises(ConfigError, match=match):
