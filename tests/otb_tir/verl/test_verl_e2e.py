@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 CHECKS = Path(__file__).resolve().parents[2] / "support" / "verl_cpu_checks.py"
-# a small run for the checks that need several runs (the README's command is the first test)
+# a small run for the checks that need several runs (the README's command is the killed-and-resumed run)
 # (and no phase may hang longer than 300 s: the launcher's own watchdog stops it and says where)
 SMALL = [
     "data.train_batch_size=2",
@@ -111,24 +111,14 @@ def verl_python() -> str:
     return _verl_python()
 
 
-# the README's verl command runs 2 steps; the recipe's default (15) is the learning guard's run
-README_STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def readme_run(verl_python, tmp_path_factory):
-    """The README's verl command, exactly: nothing but the step count and the run folder."""
-    cwd = tmp_path_factory.mktemp("elsewhere")
-    out = cwd / "run"
-    proc = _train(verl_python, cwd, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    return out
-
-
-def test_the_readme_verl_command_writes_what_the_local_trainer_writes(readme_run):
-    out = readme_run
+def test_the_readme_verl_command_writes_what_the_local_trainer_writes(resumed_sync):
+    """The README's verl command (the recipe's default run with ``trainer=verl``: 15 steps, held-out
+    before and after) is the run :func:`resumed_sync` kills and resumes, from another folder, with a
+    checkpoint every 2 steps: what it wrote at the end is what the local trainer writes. (One verl run
+    for both: each verl start costs ~2 minutes of CI's budget.)"""
+    out = resumed_sync[0]
     steps = _steps(out)
-    assert sorted(steps) == list(range(1, README_STEPS + 1))
+    assert sorted(steps) == list(range(1, DEFAULT_STEPS + 1))
     for step, r in steps.items():
         # rewards, tool use and advantages, under the local trainer's names
         for key in (
@@ -147,15 +137,17 @@ def test_the_readme_verl_command_writes_what_the_local_trainer_writes(readme_run
         # every phase of verl's V1 step timed (its rewards are computed inside the rollout, in `gen`)
         for phase in ("gen", "old_log_prob", "adv", "update_actor", "update_weights", "step", "trainer_idle"):
             assert r[f"timing/{phase}_s"] >= 0.0, (step, phase)
-        assert r["tools/calls"] > 0 and r["actor/grad_norm"] > 0  # tools were called, the actor was updated
+        assert r["tools/calls"] > 0  # tools were called
         # V1 sync: on-policy (every sample at lag 0), and how long each side waited on the other
         assert r["staleness/samples"] > 0 and r["staleness/lag_0"] == r["staleness/samples"]
         assert r["staleness/max"] == 0 and r["timing/rollout_idle_s"] >= 0
+    # the actor was updated (a step whose groups all have equal rewards moves nothing: not every step)
+    assert sum(r["actor/grad_norm"] > 0 for r in steps.values()) >= len(steps) // 2
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["trainer"] == "verl" and summary["device"] == "cpu" and summary["steps"] == README_STEPS
+    assert summary["trainer"] == "verl" and summary["device"] == "cpu" and summary["steps"] == DEFAULT_STEPS
     assert summary["adv_estimator"] == "tir_optimal_token_baseline"
     assert summary["trainer_mode"] == "sync" and "V1 trainer, mode sync" in summary["trainer_path"]
-    assert 0.0 <= summary["before"]["accuracy"] <= 1.0 and summary["after"]["step"] == README_STEPS
+    assert 0.0 <= summary["before"]["accuracy"] <= 1.0 and summary["after"]["step"] == DEFAULT_STEPS
     assert summary["held_out"] == {  # what verl validated on, as the local trainer's summary says it
         "source": "data.task=arith: its generator's held-out split (seed 0)",
         "problems": 100,
@@ -201,10 +193,6 @@ def _assert_contract_and_sum_pi_squared(steps: dict[int, dict], tools_every_step
             assert r["contract/contested_adv_nonzero_frac"] == 1.0, step
         proxies = {k: v for k, v in r.items() if k.startswith("variance_proxy/")}
         assert proxies and all(math.isfinite(v) for v in proxies.values()), (step, proxies)
-
-
-def test_the_batch_verl_built_keeps_the_multi_turn_contract(readme_run):
-    _assert_contract_and_sum_pi_squared(_steps(readme_run))
 
 
 # One run per trainer mode ("synced"). colocate_async and legacy at a high learning rate, 8 prompts x 4
