@@ -38,6 +38,7 @@ reqs="$(mktemp)"
 trap 'rm -f "$constraints" "$reqs"' EXIT
 echo "torch==2.13.0" >"$constraints"
 "$V" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" "torchvision==0.28.0"
+"$V" -m pip install -q packaging  # reads sglang's requirement markers below (a fresh venv lacks it)
 "$V" - "$CUDA_ONLY" >"$reqs" <<'PYEOF'
 import importlib.metadata as md
 import re
