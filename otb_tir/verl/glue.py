@@ -198,6 +198,30 @@ GLUE: tuple[Glue, ...] = (
         "vLLMColocateWorkerExtension: use model_runner.reload_weights on the CPU platform",
     ),
     Glue(
+        "fsdp2_save_copy",
+        "otb_tir.verl.cpu",
+        "verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu (called by "
+        "verl.experimental.separation.engine_workers.DetachActorWorker.save_model_to_cpu)",
+        "patch",
+        "cpu",
+        "separate_async keeps π_old as this function's CPU copy of the actor's shards, but .detach().cpu() of a "
+        "CPU tensor is the live parameter: each optimizer step moves the saved π_old too, and restoring it "
+        "copies the current weights onto themselves (old log-probs silently from the current policy). The "
+        "wrapper clones every saved tensor that shares storage with a parameter",
+        "fsdp2_sharded_save_to_cpu: .detach().to('cpu', copy=True) (or .clone()), as fsdp1_sharded_save_to_cpu does",
+    ),
+    Glue(
+        "gloo_checkpoint_engine",
+        "otb_tir.verl.gloo_engine",
+        "verl.checkpoint_engine.base.CheckpointEngineRegistry / CheckpointEngine",
+        "extension point",
+        "cpu",
+        "separate_async moves weights by a checkpoint engine; verl's (nccl, nixl, mooncake, hccl, kimi) need a GPU "
+        "or RDMA. Ours is gloo over a private TCPStore + ProcessGroupGloo per sync (never the default group), "
+        "registered as `gloo` by importing otb_tir.verl.cpu",
+        "none needed (CheckpointEngineRegistry.register); a gloo/CPU engine in verl would replace it",
+    ),
+    Glue(
         "cpu_config",
         "otb_tir.verl.cpu.cpu_overrides",
         "ppo_trainer config keys",
