@@ -391,9 +391,9 @@ def test_uninstalled_engine_is_a_config_error_naming_the_install(engine, module,
 
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed here")
-    from otb_tir.evaluation.run import build_engine
-
     import torch
+
+    from otb_tir.evaluation.run import build_engine
 
     cfg = load_eval_config(DEFAULT_CONFIG, [f"rollout.name={engine}", f"model.path={tiny_model_dir}"])
     # sglang on a CPU is installed by the project's script (it publishes no CPU build)
