@@ -171,13 +171,15 @@ def episode_config(cfg: Any, **overrides: Any) -> Any:
 
 def build_tools(cfg: Any) -> Any:
     """The run's :class:`tools.ToolSet` from ``cfg.multi_turn`` (``tools``, ``tool_config``,
-    ``tool_config_path``), by :func:`tools.build_tool_set`. A set with no tools, a tool that does
-    not load, a bad config key or schema is a :class:`ConfigError` naming the tool and the reason."""
+    ``tool_config_path``, ``mcp_servers``), by :func:`tools.build_tool_set`. A set with no tools, a
+    tool that does not load, a bad config key or schema, an MCP server that does not start is a
+    :class:`ConfigError` naming the tool (or server) and the reason."""
     from tools import ToolError, build_tool_set
 
     mt = cfg.multi_turn
     names = mt.tools
-    if names is None and not mt.tool_config_path and task(cfg).tools is not None:
+    mcp_servers = _mcp_servers_path(cfg)
+    if names is None and not mt.tool_config_path and not mcp_servers and task(cfg).tools is not None:
         names = list(task(cfg).tools)  # the task's tools when the run names none
     path = mt.tool_config_path
     if path:
@@ -185,9 +187,20 @@ def build_tools(cfg: Any) -> Any:
         if not Path(path).is_file():
             raise ConfigError(f"multi_turn.tool_config_path: file not found: {mt.tool_config_path}")
     try:
-        return build_tool_set(names, mt.tool_config, path)  # it takes OmegaConf containers as they are
+        return build_tool_set(names, mt.tool_config, path, mcp_servers)  # it takes OmegaConf containers as they are
     except ToolError as e:
         raise ConfigError(f"tools: {e}") from None
+
+
+def _mcp_servers_path(cfg: Any) -> str | None:
+    """``multi_turn.mcp_servers`` as an existing file's path (None when unset); ConfigError if missing."""
+    path = getattr(cfg.multi_turn, "mcp_servers", None)
+    if not path:
+        return None
+    full = Path(str(path)).expanduser()
+    if not full.is_file():
+        raise ConfigError(f"multi_turn.mcp_servers: file not found: {path}")
+    return str(full.resolve())
 
 
 def task(cfg: Any) -> Any:
@@ -321,15 +334,17 @@ def resolved_plugins(cfg: Any, tools: Any = None) -> dict[str, Any]:
         from tools.registry import TOOLS
 
         mt = cfg.multi_turn
-        names = mt.tools if mt.tools is not None else (task(cfg).tools or ([] if mt.tool_config_path else None))
+        given = mt.tool_config_path or getattr(mt, "mcp_servers", None)
+        names = mt.tools if mt.tools is not None else (task(cfg).tools or ([] if given else None))
         if names is not None:
             out["tools"] = {str(n): TOOLS.source(str(n)) for n in names}
     return out
 
 
-def list_plugins() -> str:
+def list_plugins(mcp_servers: str | None = None) -> str:
     """Every registered tool, reward, estimator, tool-call format and task, with where each comes
-    from (the console scripts' ``--list``)."""
+    from (the console scripts' ``--list``); with ``mcp_servers`` (an mcpServers file) also the tools
+    its servers list, each with its server (the servers are started to ask them, then stopped)."""
     from agent_env.parsers import FORMATS
     from agent_env.rewards import REWARDS
     from agent_env.tasks import TASKS
@@ -347,7 +362,23 @@ def list_plugins() -> str:
         lines.append(f"{title} (entry-point group {reg.group}; or a path pkg.mod:attr / file.py:attr):")
         width = max((len(n) for n in reg.names()), default=0)
         lines += [f"  {name:<{width}}  {source}" for name, source in reg.describe()]
+        if reg is TOOLS and mcp_servers:
+            lines += _list_mcp(mcp_servers)
     return "\n".join(lines)
+
+
+def _list_mcp(path: str) -> list[str]:
+    from tools.base import close_quietly
+    from tools.mcp import build_mcp_tools
+
+    found = build_mcp_tools(path)  # ToolError: the caller says "config error"
+    try:
+        lines = [f"tools of the MCP servers in {path} (multi_turn.mcp_servers):"]
+        width = max((len(t.name) for t, _ in found), default=0)
+        lines += [f"  {t.name:<{width}}  MCP server {t.server!r} ({t.transport}): {t.description}" for t, _ in found]
+        return lines
+    finally:
+        close_quietly([t for t, _ in found])
 
 
 def serving_engine(name: str, path: Path, *, dtype: str | None, seed: int, engine_kwargs: dict[str, Any]) -> Any:

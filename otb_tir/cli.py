@@ -109,11 +109,33 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, example: str) 
         raise SystemExit(0)
     if args.list:
         from otb_tir.builders import list_plugins
+        from tools import ToolError
 
         try:
-            print(list_plugins(), flush=True)
+            print(list_plugins(_mcp_servers_arg(args)), flush=True)
         except BrokenPipeError:  # e.g. `--list | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except ToolError as e:  # an MCP server that does not start
+            print(f"config error: tools: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         raise SystemExit(0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args
+
+
+def _mcp_servers_arg(args: argparse.Namespace) -> str | None:
+    """``multi_turn.mcp_servers`` for ``--list`` (which runs before the config is loaded): the last
+    override of it, else the value in the ``--config`` file."""
+    for item in reversed(list(args.overrides)):
+        key, sep, value = item.partition("=")
+        if sep and key.strip().lstrip("+") == "multi_turn.mcp_servers":
+            return value.strip() or None
+    try:
+        from omegaconf import OmegaConf
+
+        from otb_tir.configs import resolve_config
+
+        value = OmegaConf.select(OmegaConf.load(resolve_config(args.config)), "multi_turn.mcp_servers")
+    except Exception:  # noqa: BLE001 - no such file / not a mapping: --list still lists the registries
+        return None
+    return str(value) if value else None
