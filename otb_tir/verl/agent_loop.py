@@ -18,7 +18,8 @@ max_parallel_calls, max_tool_response_length, tool_response_truncate_side}`` the
 ``left``/``right`` truncation sides mean keep ``tail``/``head``). Our own settings are keyword
 arguments in the agent-loop YAML entry (see ``configs/agent_loop.yaml``): ``otb_tools`` (tool
 names for :func:`tools.get_tool`), ``tool_config`` (keyword config per tool), ``tool_config_path``
-(a verl-style tools YAML for :func:`tools.load_tools`, replaces ``otb_tools``),
+(a verl-style tools YAML for :func:`tools.load_tools`, replaces ``otb_tools``), ``otb_mcp_servers``
+(an ``mcpServers`` file, :mod:`tools.mcp`: each worker process starts its own client sessions),
 ``max_tokens_per_turn``, ``tool_timeout``, ``system_prompt``, ``reward`` (the reward section,
 :class:`agent_env.math_task.reward.RewardConfig`: which function scores each data source, bounded,
 and the math reward's shaping), ``otb_format`` (the tool-call format, any name of
@@ -205,12 +206,17 @@ async def close_cached_tools() -> None:
         await env.tools.close()
 
 
-def _build_tools(names: Sequence[str] | None, tool_config: Mapping[str, Any], tool_config_path: str | None):
+def _build_tools(
+    names: Sequence[str] | None,
+    tool_config: Mapping[str, Any],
+    tool_config_path: str | None,
+    mcp_servers: str | None = None,
+):
     """The tool set, by the same assembly as the local trainer and the evaluation."""
     from tools import ToolError, build_tool_set
 
     try:
-        return build_tool_set(names, tool_config, tool_config_path)
+        return build_tool_set(names, tool_config, tool_config_path, mcp_servers)
     except ToolError as e:
         raise EnvError(f"{AGENT_NAME}: tools: {e}") from None
 
@@ -226,6 +232,7 @@ class OTBToolAgentLoop(AgentLoopBase):
         otb_tools: Sequence[str] | None = None,
         tool_config: Mapping[str, Any] | None = None,
         tool_config_path: str | None = None,
+        otb_mcp_servers: str | None = None,
         max_tokens_per_turn: int | None = None,
         tool_timeout: float | None = 10.0,
         system_prompt: str | None = None,
@@ -246,6 +253,7 @@ class OTBToolAgentLoop(AgentLoopBase):
         self.otb_tool_names = None if otb_tools is None else list(plain(otb_tools))
         self.otb_tool_config = dict(plain(tool_config) or {})
         self.otb_tool_config_path = tool_config_path
+        self.otb_mcp_servers = otb_mcp_servers
         self.episode_config = episode_config_from_verl(
             self.rollout_config,
             max_tokens_per_turn=max_tokens_per_turn,
@@ -265,13 +273,17 @@ class OTBToolAgentLoop(AgentLoopBase):
             id(asyncio.get_running_loop()),
             id(self.tokenizer),
             json.dumps(
-                [self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path], sort_keys=True, default=str
+                [self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path, self.otb_mcp_servers],
+                sort_keys=True,
+                default=str,
             ),
             repr(self.episode_config),
         )
         env = _ENVS.get(key)
         if env is None:
-            tools = _build_tools(self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path)
+            tools = _build_tools(
+                self.otb_tool_names, self.otb_tool_config, self.otb_tool_config_path, self.otb_mcp_servers
+            )
             env = AgentEnv(self.tokenizer, tools=tools, config=self.episode_config)
             _ENVS[key] = env
         return env

@@ -167,16 +167,22 @@ def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
 
     mt = cfg.multi_turn
     names = mt.tools
-    if names is None and not mt.tool_config_path:
+    mcp_servers = mt.get("mcp_servers")
+    if names is None and not mt.tool_config_path and not mcp_servers:
         names = task(cfg).tools or DEFAULT_TOOLS  # the task's tools, else the default set
+    if names is not None:
+        otb_tools = [absolute_path_name(n) for n in names]
+    else:  # build_tool_set's "not given": [] → only the YAML's tools; None → every MCP server's tools too
+        otb_tools = None if mcp_servers else []
     kwargs = {
         "_target_": AGENT_LOOP_TARGET,
-        # the names build_tool_set resolves ([] → only the YAML's tools)
-        "otb_tools": [absolute_path_name(n) for n in names] if names is not None else [],
+        "otb_tools": otb_tools,
         "otb_format": absolute_path_name(mt.format),
         "otb_task": absolute_path_name(cfg.data.task),
         "tool_config": OmegaConf.to_container(mt.tool_config, resolve=True),
         "tool_config_path": str(Path(mt.tool_config_path).expanduser().resolve()) if mt.tool_config_path else None,
+        # the same mcpServers file: each verl worker process starts its own client sessions (tools.mcp)
+        "otb_mcp_servers": str(Path(mcp_servers).expanduser().resolve()) if mcp_servers else None,
         "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn),
         "tool_timeout": float(mt.tool_timeout),
         "system_prompt": None,

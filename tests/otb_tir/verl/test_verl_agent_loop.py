@@ -359,3 +359,90 @@ def test_a_hanging_tool_and_a_failing_reward_inside_verls_agent_loop_are_bounded
     assert errors == {"exception": B / 2, "nan": B / 2}
     rm = out.batch["rm_scores"]
     assert torch.isfinite(rm).all() and float(rm.abs().sum()) == 0.0  # reward 0, never NaN, for every failure
+
+
+MCP_CALC = '''
+import json, os, sys
+from mcp.server.mcpserver import MCPServer
+
+app = MCPServer("calc")
+
+
+@app.tool()
+def mcp_calc(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    with open(os.environ["CALL_LOG"], "a") as f:
+        f.write(json.dumps({"expression": expression, "pid": os.getpid()}) + "\\n")
+    allowed = set("0123456789+-*/(). ")
+    if not set(expression) <= allowed:
+        raise ValueError("not arithmetic")
+    value = eval(expression, {"__builtins__": {}})
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+if __name__ == "__main__":
+    app.run()
+'''
+
+
+@pytest.mark.verl
+def test_an_mcp_servers_tool_is_called_from_verls_agent_loop(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """``multi_turn.mcp_servers`` reaches verl's workers: compose writes the server file into our
+    agent-loop YAML, verl's own AgentLoopWorker builds our loop, whose tool set starts the user's MCP
+    server (a stdio server in a folder outside the project, under bubblewrap); the scripted rows call
+    its tool, the server's own log records each call, and its answers come back into the rows."""
+    need("mcp")
+    from omegaconf import OmegaConf
+
+    from agent_env.math_task.data import load_parquet
+    from otb_tir.trainer.config import load_config
+    from otb_tir.verl.compose import compose_verl_config
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "calc_server.py").write_text(MCP_CALC)
+    log = user / "calls.jsonl"
+    log.touch()
+    servers = user / "servers.json"
+    servers.write_text(
+        json.dumps(
+            {
+                "mcpServers": {
+                    "calc": {
+                        "command": __import__("sys").executable,
+                        "args": [str(user / "calc_server.py")],
+                        "env": {"CALL_LOG": str(log)},
+                        "writable_paths": [str(log)],
+                    }
+                }
+            }
+        )
+    )
+    monkeypatch.chdir(user)
+    cfg = load_config(
+        None,
+        [*_small_verl_run(tiny_model_dir, tmp_path / "run"), "multi_turn.mcp_servers=servers.json"],
+    )
+    vcfg = compose_verl_config(cfg)
+    entry = OmegaConf.load(vcfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)[0]
+    assert entry["otb_mcp_servers"] == str(servers) and entry["otb_tools"] is None  # all the servers' tools
+    items = load_parquet(vcfg.data.train_files[0])
+    questions = {it["extra_info"]["question"]: it["extra_info"]["expression"] for it in items}
+    manager = HFServerManager(tiny_model_dir, tiny_tokenizer, questions)
+    manager._script_tool = "mcp_calc"
+
+    out = run_agent_loop(vcfg, manager)
+    B = 4
+    served = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {c["expression"] for c in served} <= set(questions.values())
+    assert len(served) == B // 2  # the scripted half called the server's tool, once each
+    nt = out.non_tensor_batch
+    assert float(np.sum(np.asarray(nt["tool_calls"], float))) >= B // 2
+    # every call answered (no error kind counted), and its result is what the server computed
+    kinds = {k: float(np.sum(np.asarray(v, float))) for k, v in nt.items() if k.startswith("tool_kind_")}
+    assert not any(kinds.values()), kinds
+    texts = [tiny_tokenizer.decode(r.tolist()) for r in out.batch["responses"]]
+    for c in served:
+        value = eval(c["expression"], {"__builtins__": {}})  # the server's own rule, as an oracle
+        shown = str(int(value)) if float(value).is_integer() else str(value)
+        assert any(f"<tool_response>\n{shown}\n</tool_response>" in t for t in texts), (shown, texts)
