@@ -106,14 +106,6 @@ def _check_supported(cfg: DictConfig) -> None:
             "algorithm.handle_zero_tail=false is not available on the verl path (verl's "
             "compute_advantage does not pass it; the OTB estimators use the default, true)"
         )
-    if cfg.verl.trainer_mode == "separate_async" and verl_device(cfg) == "cpu" and not cfg.verl.dry_run:
-        raise ConfigError(
-            "verl.trainer_mode=separate_async cannot run on this CPU: verl's separate_async puts the rollout "
-            "on its own resource pool (actor_rollout_ref.rollout.nnodes/n_gpus_per_node > 0) and syncs weights "
-            "with an nccl, nixl or mooncake checkpoint engine (it refuses 'naive'), none of which runs without "
-            "a GPU. Use verl.trainer_mode=colocate_async here, or verl.dry_run=true trainer.device=cuda to "
-            "print the separate_async command for a GPU machine"
-        )
     f = cfg.algorithm.filter
     unsupported = [k for k in ("void_turns", "overlong", "all_equal_reward_groups") if f[k]]
     if unsupported:
@@ -221,6 +213,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     log_prob_micro = math.gcd(micro, int(cfg.data.train_batch_size) * int(r.n))
     otb = cfg.algorithm.adv_estimator in OTB_ESTIMATORS
     mode = cfg.verl.trainer_mode
+    if cpu is None:
+        cpu = verl_device(cfg) == "cpu"
     # grad_clip 0 = off, as on the local trainer: verl clips with max_norm=clip_grad, which at 0 zeroes
     # every gradient (verl 0.9.1 workers/engine/fsdp/transformer_impl.py ~806); ∞ measures the norm only
     clip = float(a.grad_clip) if a.grad_clip > 0 else float("inf")
@@ -311,6 +305,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     if mode in ASYNC_MODES:
         settings["trainer.v1.sampler.max_off_policy_threshold"] = ASYNC_MAX_OFF_POLICY
         settings["trainer.v1.sampler.max_off_policy_strategy"] = ASYNC_OFF_POLICY_STRATEGY
+    if mode == "separate_async":
+        settings.update(separate_async_settings(cfg, cpu=cpu))
     if rollout_is(cfg):
         settings["algorithm.rollout_correction.rollout_is"] = "token"
         settings["algorithm.rollout_correction.rollout_is_threshold"] = float(cfg.algorithm.rollout_is_threshold)
@@ -319,8 +315,6 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         raise ConfigError(f"trainer.loggers {unknown_loggers} have no verl counterpart; valid: {sorted(_LOGGERS)}")
     for key, value in settings.items():
         set_verl_key(v, key, value)
-    if cpu is None:
-        cpu = verl_device(cfg) == "cpu"
     if cpu:  # no accelerator: what verl and vLLM-CPU need (otb_tir.verl.cpu); the user's overrides still win
         from otb_tir.verl.cpu import cpu_overrides
 
@@ -355,6 +349,32 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return v
+
+
+def separate_async_settings(cfg: DictConfig, *, cpu: bool) -> dict[str, Any]:
+    """verl's ``separate_async``: the rollout on a resource pool of its own (one replica of one device by
+    default), weights moved by a checkpoint engine once per step.
+
+    verl asserts (``trainer/ppo/v1/trainer_separate_async.py`` ~59-68) ``train_batch_size ==
+    parameter_sync_step * ppo_mini_batch_size``, ``rollout.nnodes > 0``, ``rollout.n_gpus_per_node > 0``
+    and a checkpoint engine other than ``naive``. ``parameter_sync_step`` is the number of mini-batches
+    in our step (each a local update on π_old, then one weight sync), so a step trains what the other
+    modes train. On a CPU the engine is our ``gloo`` one (:mod:`otb_tir.verl.gloo_engine`, registered by
+    importing :mod:`otb_tir.verl.cpu`), in 64 MB buckets (verl's default is 2 GB, allocated twice by the
+    sender), and there are no colocated (hybrid) replicas on the trainer's pool (``hybrid_engine=False``):
+    one vLLM, the standalone one. Ray needs two logical GPUs (trainer pool + rollout replica); the
+    CPU profile declares four."""
+    batch, mini = int(cfg.data.train_batch_size), int(cfg.actor.ppo_mini_batch_size)
+    out: dict[str, Any] = {
+        "trainer.v1.separate_async.parameter_sync_step": batch // mini,
+        "actor_rollout_ref.rollout.nnodes": 1,
+        "actor_rollout_ref.rollout.n_gpus_per_node": 1,
+        "actor_rollout_ref.rollout.checkpoint_engine.backend": "gloo" if cpu else "nccl",
+    }
+    if cpu:
+        out["actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"] = 64
+        out["actor_rollout_ref.hybrid_engine"] = False
+    return out
 
 
 def check_untruncated_sampling(v: DictConfig) -> None:

@@ -43,6 +43,12 @@ Patches (applied in-process by :func:`apply`):
    parameter (on an accelerator ``.cpu()`` copies and nothing is cloned);
    ``tests/otb_tir/verl/test_fsdp_save_alias.py`` shows the aliasing without it.
 
+6. **separate_async's log call.** With ``actor_rollout_ref.hybrid_engine=False`` (set on this CPU
+   for separate_async: one vLLM, the standalone replica) verl's ``PPOTrainerSeparateAsync._setup``
+   (``verl/trainer/ppo/v1/trainer_separate_async.py`` ~181) calls ``logger.info(..., flush=True)``,
+   which ``logging`` rejects with a ``TypeError``. The module's logger is wrapped in an adapter that
+   drops ``flush``.
+
 Importing this module also registers the ``gloo`` checkpoint engine (:mod:`otb_tir.verl.gloo_engine`)
 for separate_async's weight transport, in every process that loads it.
 
@@ -149,7 +155,7 @@ def applied() -> frozenset[str]:
     return frozenset(_applied)
 
 
-PATCHES = ("platform", "process_group", "vllm_version", "weight_sync", "fsdp2_save_copy")
+PATCHES = ("platform", "process_group", "vllm_version", "weight_sync", "fsdp2_save_copy", "separate_async_log")
 
 
 def apply(force: bool = False, only: set[str] | None = None) -> frozenset[str]:
@@ -167,6 +173,7 @@ def apply(force: bool = False, only: set[str] | None = None) -> frozenset[str]:
             ("vllm_version", _patch_vllm_version),
             ("weight_sync", _patch_rollout_registry),
             ("fsdp2_save_copy", _patch_fsdp2_save),
+            ("separate_async_log", _patch_separate_async_logger),
         ):
             if only is not None and name not in only:
                 continue
@@ -473,6 +480,25 @@ def _patch_fsdp2_save() -> None:
         module.fsdp2_sharded_save_to_cpu = _copying_save(module.fsdp2_sharded_save_to_cpu)
 
     after_import("verl.utils.fsdp_utils", patch)
+
+
+# --------------------------------------------------------------------------- 6. separate_async's log call
+class _NoFlushLogger(logging.LoggerAdapter):
+    """A logger that drops ``print``'s ``flush=`` keyword, which ``logging.Logger`` refuses."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        kwargs.pop("flush", None)
+        return msg, kwargs
+
+
+def _patch_separate_async_logger() -> None:
+    def patch(module: ModuleType) -> None:
+        # PPOTrainerSeparateAsync._setup logs "hybrid replicas disabled" with logger.info(..., flush=True),
+        # a TypeError the moment hybrid_engine=False (which the CPU profile sets: one vLLM, the standalone)
+        if not isinstance(module.logger, _NoFlushLogger):
+            module.logger = _NoFlushLogger(module.logger, {})
+
+    after_import("verl.trainer.ppo.v1.trainer_separate_async", patch)
 
 
 apply()

