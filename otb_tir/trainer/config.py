@@ -191,6 +191,9 @@ class VerlConfig:  # trainer=verl only: verl settings this recipe does not model
     trainer_mode: str = "sync"
     # verl other than the tested pin (otb_tir.verl.VERL_VERSION) stops the run at start unless this is set.
     allow_untested_version: bool = False
+    # Join this Ray cluster (host:port, or auto) instead of starting one: several nodes. The run's environment
+    # reaches every node's workers through Ray's runtime_env; the nodes declare their own CPUs and GPUs.
+    ray_address: str | None = None
 
 
 @dataclass

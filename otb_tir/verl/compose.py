@@ -341,6 +341,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         env_vars["VERL_USE_EXTERNAL_MODULES"] = with_v1_modes(env_vars.get("VERL_USE_EXTERNAL_MODULES"))
         runtime_env["env_vars"] = env_vars
     apply_user_overrides(v, parsed)
+    if cfg.verl.get("ray_address"):
+        _join_an_existing_cluster(v, str(cfg.verl.ray_address))
     check_untruncated_sampling(v)  # also with the user's overrides applied
     from otb_tir.verl.v1 import check_bypass
 
@@ -349,6 +351,19 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return v
+
+
+def _join_an_existing_cluster(v: DictConfig, address: str) -> None:
+    """``verl.ray_address=HOST:PORT`` (or ``auto``): the run joins that Ray cluster instead of starting
+    its own (``local``, the CPU profile's default). ``ray.init`` refuses resource counts when it
+    connects, so the CPU profile's ``num_cpus`` / ``num_gpus`` (what a cluster of its own declares) are
+    dropped; the cluster's nodes declare theirs, and the run's environment reaches their workers
+    through ``runtime_env.env_vars`` as on one node."""
+    with open_dict(v):
+        v.ray_kwargs.ray_init.address = address
+        for key in ("num_cpus", "num_gpus"):
+            if key in v.ray_kwargs.ray_init:
+                del v.ray_kwargs.ray_init[key]
 
 
 def separate_async_settings(cfg: DictConfig, *, cpu: bool) -> dict[str, Any]:

@@ -477,3 +477,18 @@ def test_grad_clip_zero_is_off_on_the_verl_path(tiny_model_dir, tmp_path):
     norm = torch.nn.utils.clip_grad_norm_([p], clip)
     assert float(norm) == pytest.approx(6.0) and torch.equal(p.grad, torch.full((4,), 3.0))
     assert compose_verl_config(_cfg(tiny_model_dir, tmp_path)).actor_rollout_ref.actor.optim.clip_grad == 1.0
+
+
+def test_joining_an_existing_ray_cluster_drops_the_cpu_profiles_resource_counts(tiny_model_dir, tmp_path):
+    """``verl.ray_address=...``: the run joins that cluster (two nodes, say), so the
+    counts a cluster of its own would declare (which ray.init refuses when it connects) are dropped,
+    and the CPU environment still travels in runtime_env."""
+    from otb_tir.verl.compose import compose_verl_config
+
+    own = compose_verl_config(_cfg(tiny_model_dir, tmp_path / "own"), cpu=True)
+    assert own.ray_kwargs.ray_init.address == "local" and own.ray_kwargs.ray_init.num_gpus == 4
+    joined = compose_verl_config(_cfg(tiny_model_dir, tmp_path / "joined", "verl.ray_address=127.0.0.1:6390"), cpu=True)
+    ray_init = joined.ray_kwargs.ray_init
+    assert ray_init.address == "127.0.0.1:6390"
+    assert "num_cpus" not in ray_init and "num_gpus" not in ray_init
+    assert ray_init.runtime_env.env_vars["OTB_TIR_OUTPUT_DIR"] == str(tmp_path / "joined")
