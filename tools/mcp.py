@@ -64,7 +64,17 @@ STDERR_TAIL = 2000
 
 _STDIO_KEYS = {"command", "args", "env", "cwd", OPT_OUT_KEY, "writable_paths"}
 _HTTP_KEYS = {"url", "headers"}
-_COMMON_KEYS = {"type", "transport", "start_timeout", "call_timeout", "max_restarts", "disabled"}
+_COMMON_KEYS = {
+    "type",
+    "transport",
+    "start_timeout",
+    "call_timeout",
+    "max_restarts",
+    "disabled",
+    "session",
+    "max_sessions",
+}
+SESSION_MODES = ("shared", "per_trajectory")
 
 # Sets PR_SET_PDEATHSIG (SIGKILL when the thread that started it ends: this process dying included)
 # and execs the server; exits at once if that parent is already gone.
@@ -98,6 +108,10 @@ class ServerSpec:
     start_timeout: float = 30.0
     call_timeout: float = 60.0
     max_restarts: int = 3
+    # "shared": one client session per server per process (default); "per_trajectory": a session of its own
+    # for each trajectory (a server process of its own for stdio), closed when the trajectory ends
+    session: str = "shared"
+    max_sessions: int = 64  # per_trajectory: sessions open at once, at most
 
 
 def load_mcp_config(path: str | os.PathLike[str]) -> list[ServerSpec]:
@@ -160,6 +174,9 @@ def _spec(name: str, entry: Any, where: str, folder: str) -> ServerSpec | None:
             raise ToolError(f"{where}: {key} must be a mapping of strings, got {value!r}")
         return {str(k): str(v) for k, v in value.items()}
 
+    session = str(entry.get("session", "shared"))
+    if session not in SESSION_MODES:
+        raise ToolError(f"{where}: session must be one of {list(SESSION_MODES)}, got {session!r}")
     common = dict(
         name=name,
         where=where,
@@ -167,6 +184,8 @@ def _spec(name: str, entry: Any, where: str, folder: str) -> ServerSpec | None:
         start_timeout=number("start_timeout", 30.0, 0.1),
         call_timeout=number("call_timeout", 60.0, 0.1),
         max_restarts=int(number("max_restarts", 3, 0)),
+        session=session,
+        max_sessions=int(number("max_sessions", 64, 1)),
     )
     if kind == "http":
         url = entry.get("url")
@@ -294,7 +313,50 @@ class MCPServerClient:
         self._restarting: asyncio.Future[Any] | None = None
         self._closed = False
         self._errlog = tempfile.TemporaryFile("w+", prefix=f"mcp-{spec.name}-", suffix=".stderr")
+        self._sessions: dict[str, MCPServerClient] = {}  # per_trajectory: session id → its own client
+        self._opening: dict[str, asyncio.Future[Any]] = {}
+        self.sessions_opened = 0
         _LIVE.add(self)
+
+    async def session_client(self, session_id: str) -> MCPServerClient:
+        """The client of trajectory ``session_id`` (``"session": "per_trajectory"``), started on first use
+        outside the caller's event loop (a stdio server takes a while to start); concurrent first calls
+        of one trajectory share the start, and a caller cancelled meanwhile loses nothing."""
+        if session_id in self._sessions:
+            return self._sessions[session_id]
+        pending = self._opening.get(session_id)
+        if pending is None:
+            if len(self._sessions) + len(self._opening) >= self.spec.max_sessions:
+                raise ToolError(
+                    f"MCP server {self.spec.name!r}: {self.spec.max_sessions} per-trajectory sessions are open "
+                    "(max_sessions); this call is refused"
+                )
+
+            def open_one() -> MCPServerClient:
+                child = MCPServerClient(self.spec)
+                child.start()  # ToolError naming the server and its stderr when it cannot start
+                return child
+
+            pending = asyncio.ensure_future(asyncio.to_thread(open_one))
+            self._opening[session_id] = pending
+
+            def opened(f: asyncio.Future[Any]) -> None:
+                self._opening.pop(session_id, None)
+                if not f.cancelled() and f.exception() is None:
+                    self._sessions[session_id] = f.result()
+                    self.sessions_opened += 1
+
+            pending.add_done_callback(opened)
+        return await asyncio.shield(pending)
+
+    async def release_session(self, session_id: str) -> None:
+        pending = self._opening.get(session_id)
+        if pending is not None:  # released while its server was starting: close it once started
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+        child = self._sessions.pop(session_id, None)
+        if child is not None:
+            await asyncio.to_thread(child.close)
 
     # --- life cycle (called from any thread) ---
 
@@ -333,11 +395,14 @@ class MCPServerClient:
         return f"MCP server {s.name!r} ({s.where}, {s.transport}: {what}) {why}{tail if s.transport == 'stdio' else ''}"
 
     def close(self) -> None:
-        """Stop the session (and the server process); idempotent."""
+        """Stop the session (and the server process), and every per-trajectory one; idempotent."""
         if self._closed:
             return
         self._closed = True
         _LIVE.discard(self)
+        for child in list(self._sessions.values()):
+            child.close()
+        self._sessions.clear()
         if self._loop.is_running():
             fut = asyncio.run_coroutine_threadsafe(self._disconnect(), self._loop)
             with contextlib.suppress(Exception):
@@ -543,8 +608,14 @@ class MCPTool(Tool):
 
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
         timeout = self.client.spec.call_timeout
+        client = self.client
+        if client.spec.session == "per_trajectory" and session_id is not None:
+            try:
+                client = await client.session_client(session_id)
+            except ToolError as e:  # the trajectory's server could not start, or too many are open
+                return ToolResult(text=f"Error: {e}", ok=False, error=ErrorKind.SANDBOX, metrics={"server_lost": 1.0})
         try:
-            fut = self.client.call_future(self.name, args, timeout)
+            fut = client.call_future(self.name, args, timeout)
             result = await asyncio.wrap_future(fut)  # cancelling this (the episode's timeout) cancels the call
         except _Lost as e:
             return ToolResult(
@@ -563,6 +634,11 @@ class MCPTool(Tool):
             msg = e.error.message if isinstance(e, MCPError) else _describe_exc(e)
             return ToolResult(text=f"Error: tool '{self.name}' failed: {msg}", ok=False, error=ErrorKind.RUNTIME)
         return _to_result(self.name, result)
+
+    async def release(self, session_id: str) -> None:
+        """The trajectory ended: close its own session (``"session": "per_trajectory"``; idempotent,
+        and every tool of the server releases the same one)."""
+        await self.client.release_session(session_id)
 
     async def close(self) -> None:
         if self._closed:

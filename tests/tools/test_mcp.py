@@ -76,6 +76,17 @@ def crash() -> str:
     os._exit(9)
 
 
+MEMORY = []  # a stateful server: what this process was told
+
+
+@app.tool()
+def remember(value: str) -> str:
+    """Remember a value; returns everything remembered so far."""
+    log("remember", {"value": value})
+    MEMORY.append(value)
+    return ",".join(MEMORY)
+
+
 @app.tool(structured_output=False)
 def picture() -> list:
     """Returns an image only."""
@@ -160,7 +171,7 @@ def notes(tmp_path_factory):
 
 def test_stdio_discovery_call_and_isolation(notes):
     ts, log, folder = notes
-    assert sorted(ts) == ["crash", "hang", "lookup", "picture", "probe", "refuse"]  # all of them: no names given
+    assert sorted(ts) == ["crash", "hang", "lookup", "picture", "probe", "refuse", "remember"]  # all: none named
     lookup = ts["lookup"]
     assert lookup.description == "Look up a query and return a short note."
     assert lookup.parameters["properties"]["query"]["type"] == "string" and lookup.parameters["required"] == ["query"]
@@ -404,3 +415,40 @@ def test_training_and_eval_call_the_mcp_server(tmp_path):
     assert set(rec) == {"lookup", "calculator"}
     assert rec["lookup"]["server"] == "notes" and rec["lookup"]["transport"] == "stdio"
     assert str(cfg) in rec["lookup"]["source"] and rec["lookup"]["isolation"].startswith("bubblewrap")
+
+
+@pytest.mark.parametrize("session", ["per_trajectory", "shared"])
+def test_per_trajectory_sessions_keep_each_trajectorys_state_and_end_with_it(tmp_path, session):
+    """``"session": "per_trajectory"``: each trajectory (session id) gets a server process of its own,
+    so a stateful server's memory is the trajectory's; releasing the trajectory stops that process,
+    and the next trajectory with that id starts afresh. The default (shared) is the control: one
+    process, one memory for everyone."""
+    cfg, log = stdio_config(tmp_path / "servers", "memo", session=session)
+    ts = build_tool_set(["remember"], None, None, str(cfg))
+    tool = ts["remember"]
+
+    async def go() -> list[str]:
+        out = []
+        for sid, value in (("t1", "a"), ("t2", "b"), ("t1", "c")):
+            res = await tool.invoke({"value": value}, session_id=sid, timeout=30)
+            assert res.ok, res.text
+            out.append(res.text)
+        await tool.release("t1")
+        await tool.release("t1")  # every tool of the server releases it: idempotent
+        res = await tool.invoke({"value": "d"}, session_id="t1", timeout=30)
+        out.append(res.text)
+        await tool.release("t1")
+        await tool.release("t2")
+        return out
+
+    try:
+        texts = run(go())
+        procs = [c["proc"] for c in calls(log, "remember")]
+        if session == "per_trajectory":
+            assert texts == ["a", "b", "a,c", "d"]
+            assert procs[0] == procs[2] and len({procs[0], procs[1], procs[3]}) == 3  # t1, t2, the new t1
+            assert tool.client.sessions_opened == 3 and not tool.client._sessions  # all released
+        else:
+            assert texts == ["a", "a,b", "a,b,c", "a,b,c,d"] and len(set(procs)) == 1
+    finally:
+        run(ts.close())
