@@ -122,7 +122,7 @@ def test_extending_examples_load_with_the_users_files(tmp_path, monkeypatch):
         line for block in re.findall(r"```bash\n(.*?)```", section, re.DOTALL) for line in block.strip().splitlines()
     ]
     inline = re.findall(r"`((?:algorithm|multi_turn|reward|data)\.[\w.]+=[^` ]+)`", section)
-    assert len(commands) == 3 and {o.split("=")[0] for o in inline} >= {"algorithm.adv_estimator", "multi_turn.format"}
+    assert len(commands) == 4 and {o.split("=")[0] for o in inline} >= {"algorithm.adv_estimator", "multi_turn.format"}
     for line in commands:
         words = shlex.split(line.split("#", 1)[0])
         overrides = [w for w in words[1:] if "=" in w]
