@@ -340,16 +340,53 @@ def test_weight_sync_takes_effect(mode_runs):
         assert diff["skipped"] >= 10 * max(diff["synced"], 1e-3), diff
 
 
-def test_a_failed_weight_sync_stops_the_run_with_its_traceback(verl_python, tmp_path):
-    """verl's main_ppo waits forever for a weight receiver that died; the launcher's watchdog stops
-    the run shortly after the traceback, exits non-zero and shows the worker's error."""
+@pytest.fixture(scope="module")
+def failed_sync_run(verl_python, tmp_path_factory):
+    """One verl run for two checks (each verl start costs ~2 minutes of CI): its weight sync fails
+    after step 1 (the fault), and its step-1 rollout uses a user's MCP server from a folder outside
+    the project (``multi_turn.mcp_servers``), with a policy that calls ``lookup`` on every turn
+    (tests/support/tool_caller.py)."""
+    from tests.support.tool_caller import tool_caller_policy
+    from tests.tools.test_mcp import stdio_config
+
+    root = tmp_path_factory.mktemp("failed_sync")
+    servers, log = stdio_config(root / "user" / "servers", "notes")
     env = {
         "VERL_USE_EXTERNAL_MODULES": "tests.support.verl_faults",
         "PYTHONPATH": str(REPO),
         "OTB_TIR_VERL_FAULT": "fail_sync",
     }
-    out = tmp_path / "run"
-    proc = _train(verl_python, tmp_path, out, *SMALL, "verl.error_grace_s=10", env=env)
+    out = root / "run"
+    mcp = [
+        f"model.path={tool_caller_policy()}",
+        f"multi_turn.mcp_servers={servers}",
+        "multi_turn.tools=[lookup,calculator]",
+    ]
+    proc = _train(verl_python, root / "user", out, *SMALL, *mcp, "verl.error_grace_s=10", env=env)
+    return proc, out, log
+
+
+def test_an_mcp_servers_tool_is_called_by_verls_workers(failed_sync_run):
+    """``trainer=verl`` with ``multi_turn.mcp_servers``: the server's own log shows the calls of step
+    1's rollout, made from verl's agent-loop worker, with the policy's arguments; the agent-loop YAML
+    the launcher wrote carries the server file and the tool names to every worker."""
+    from omegaconf import OmegaConf
+
+    from tests.support.user_runs import read_log
+
+    proc, out, log = failed_sync_run
+    served = [c for c in read_log(log) if c["tool"] == "lookup"]
+    assert served, "the MCP server saw no call: " + proc.stderr[-4000:]
+    assert all(c["args"] == {"query": "otb"} for c in served)
+    v = OmegaConf.load(out / "verl_config.yaml")
+    entry = OmegaConf.load(v.actor_rollout_ref.rollout.agent.agent_loop_config_path)[0]
+    assert entry["otb_mcp_servers"] and entry["otb_tools"] == ["lookup", "calculator"]
+
+
+def test_a_failed_weight_sync_stops_the_run_with_its_traceback(failed_sync_run):
+    """verl's main_ppo waits forever for a weight receiver that died; the launcher's watchdog stops
+    the run shortly after the traceback, exits non-zero and shows the worker's error."""
+    proc, out, _ = failed_sync_run
     assert proc.returncode != 0
     assert "injected fault: the weight sync failed" in proc.stderr
     assert proc.returncode == 1 and "verl run failed:" in proc.stderr and "the run was stopped" in proc.stderr
