@@ -196,18 +196,23 @@ def _assert_contract_and_sum_pi_squared(steps: dict[int, dict], tools_every_step
         assert proxies and all(math.isfinite(v) for v in proxies.values()), (step, proxies)
 
 
-# One run per trainer mode ("synced"). colocate_async and legacy at a high learning rate, 8 prompts x 4
-# samples, so that an early step updates the actor (a batch whose groups all have equal rewards has zero
-# advantages and leaves nothing to sync; with 2 prompts that happened in CI at step 1, and with 8 once
-# too: the sync test then compares the rows after the first step that moved the actor); the async mode
-# runs 3 steps: its samples at step >= 2 can come from the weights before the last update. sync's run is
-# the recipe's default run killed and resumed twice (:func:`resumed_sync`, 15 steps, the learning guard):
-# its rows after a resume show the rollout engine serving the restored weights.
-# colocate_async also runs with the vLLM worker skipping every post-update weight load ("skipped",
-# tests/support/verl_faults.py): the control that shows the weight-sync measure can fail. Every mode moves
-# weights with the same checkpoint manager and CPU worker extension (otb_tir.verl.cpu.CPUWorkerExtension),
-# so CI runs that one pair; sync's and legacy's pairs were measured on 2026-12-04 (docs/verl.md), each
-# would add a verl start (~2 minutes here). The legacy trainer's run is outside CI's budget (BEYOND_CI).
+# One run per trainer mode. colocate_async and legacy at a high learning rate, 8 prompts x 4 samples, so
+# that an early step updates the actor (a batch whose groups all have equal rewards has zero advantages and
+# leaves nothing to sync; with 2 prompts that happened in CI at step 1, and with 8 once too: the sync test
+# then reads the rows after the first step that moved the actor); the async modes run 3-4 steps: their
+# samples at step >= 2 can come from the weights before the last update. sync's run is the recipe's
+# default run killed and resumed twice (:func:`resumed_sync`, 15 steps, the learning guard): its rows
+# after a resume show the rollout engine serving the restored weights.
+# colocate_async's run ("two_skipped") holds the weight-sync measure and its control: its vLLM worker
+# skips loading two consecutive updates, from the one after the first step that moved the actor
+# (``skip_two_syncs``, tests/support/verl_faults.py, which records every sync: two, because with one
+# batch generated ahead every row of the step after the first skip began before it); the rows that
+# began after the second skip sample at lag 0 on stale weights, those after the next sync on the
+# actor's. (Until 2026-12-05 the control was a second run that skipped every load: one verl start
+# more, ~2.5 minutes of CI.) Every mode moves weights
+# with the same checkpoint manager and CPU worker extension (otb_tir.verl.cpu.CPUWorkerExtension), so CI
+# runs that one control; sync's and legacy's pairs were measured on 2026-12-04 (docs/verl.md), each would
+# add a verl start (~2 minutes here). The legacy trainer's run is outside CI's budget (BEYOND_CI).
 # separate_async keeps one batch generated ahead on its standalone vLLM, so after step 1 its rows all
 # began on the weights before the last sync (lag 1) and the sync measure has no lag-0 rows to read; its
 # weight-sync arms ("*_fresh") queue no batch ahead (num_warmup_batches=0: each step's prompts are
@@ -215,7 +220,7 @@ def _assert_contract_and_sum_pi_squared(steps: dict[int, dict], tools_every_step
 # holds. Measured 2026-12-05 (8x4, lr 0.1, 3 steps): lag-0 diff 4.6e-7 / 2.7e-6 / 4.4e-7 synced,
 # 4.8e-7 / 0.87 / 0.84 skipped. The skipped arm is outside CI's budget (BEYOND_CI).
 DEFAULT_STEPS = 15  # the recipe's
-MODES = {"colocate_async": 3, "separate_async": 3, "sync": DEFAULT_STEPS, "legacy": 2}
+MODES = {"colocate_async": 5, "separate_async": 3, "sync": DEFAULT_STEPS, "legacy": 2}
 ASYNC = ("colocate_async", "separate_async")
 FRESH = ["verl.trainer.v1.separate_async.num_warmup_batches=0"]
 # verl runs beyond CI's time budget (45 minutes on the slower machine of this kind): the legacy trainer's
@@ -235,8 +240,15 @@ def mode_runs(request, verl_python, tmp_path_factory):
     outs = {}
     skip = {**fault_env, "OTB_TIR_VERL_FAULT": "skip_post_update_sync"}
     arms = [("synced", {}, [])]
-    if mode == "colocate_async":
-        arms.append(("skipped", skip, []))
+    if mode == "colocate_async":  # the measure and its control in one run (see above)
+        record = root / "two_skipped" / "syncs.jsonl"
+        arms = [
+            (
+                "two_skipped",
+                {**fault_env, "OTB_TIR_VERL_FAULT": "skip_two_syncs", "OTB_TIR_VERL_FAULT_RECORD": str(record)},
+                [],
+            )
+        ]
     if mode == "separate_async":  # CI: the weight-sync arm only (one verl start, ~3 min here)
         arms = [("synced_fresh", {}, FRESH)]
         if BEYOND_CI:  # the default run (stale rows, IS weights) and the skipped control
@@ -262,9 +274,15 @@ def mode_runs(request, verl_python, tmp_path_factory):
     return mode, outs
 
 
+def _main_run(outs: dict) -> Path:
+    """The run a mode's contract checks read: its synced run, colocate_async's one-skip run, or
+    separate_async's weight-sync arm in CI."""
+    return outs.get("synced") or outs.get("two_skipped") or outs["synced_fresh"]
+
+
 def test_each_trainer_mode_keeps_the_contract_and_gets_sum_pi_squared(mode_runs):
     mode, outs = mode_runs
-    out = outs.get("synced") or outs["synced_fresh"]  # separate_async in CI: its weight-sync arm
+    out = _main_run(outs)
     steps = _steps(out)
     assert sorted(steps) == list(range(1, MODES[mode] + 1))
     _assert_contract_and_sum_pi_squared(steps, tools_every_step=False)
@@ -293,11 +311,12 @@ def test_the_async_mode_trains_on_stale_samples_with_is_weights(mode_runs):
     mode, outs = mode_runs
     if mode not in ASYNC:
         pytest.skip("the asynchronous modes only")
-    if "synced" not in outs:
+    if mode == "separate_async" and "synced" not in outs:
         pytest.skip("separate_async's default run (one batch ahead) runs with OTB_TIR_VERL_BEYOND_CI=1")
-    steps = _steps(outs["synced"])
+    run = _main_run(outs)
+    steps = _steps(run)
     assert max(r["staleness/max"] for r in steps.values()) > 0, {s: r["staleness/max"] for s, r in steps.items()}
-    v = __import__("omegaconf").OmegaConf.load(outs["synced"] / "verl_config.yaml")
+    v = __import__("omegaconf").OmegaConf.load(run / "verl_config.yaml")
     assert v.algorithm.rollout_correction.rollout_is == "token"
     assert v.trainer.v1.sampler.max_off_policy_threshold == 2 and v.trainer.v1.sampler.max_off_policy_strategy == "wait"
     for r in steps.values():
@@ -309,34 +328,44 @@ def test_the_async_mode_trains_on_stale_samples_with_is_weights(mode_runs):
 
 def test_weight_sync_takes_effect(mode_runs):
     """At a high learning rate the rollout engine must serve the updated policy. The rows generated
-    wholly with the weights the actor holds (oldest weights at lag 0) after step 1 are compared: with the sync the
-    rollout engine's probabilities differ from the actor's by numerics only; when the vLLM worker
-    skips loading the post-update weights they differ by what the updates moved. (verl's pooled
-    rollout/actor correlation mixes in the stale rows, off-policy by design in the async modes, and
-    is NaN once the probabilities saturate at 1: a CI run at lr=0.1 did both.)"""
+    wholly with the weights the actor holds (oldest weights at lag 0) after the first step that moved
+    the actor are compared: with the sync the rollout engine's probabilities differ from the actor's
+    by numerics only; where the vLLM worker skipped loading the post-update weights they differ by
+    what the update moved (the control, in colocate_async's run the one step after the skipped load).
+    (verl's pooled rollout/actor correlation mixes in the stale rows, off-policy by design in the
+    async modes, and is NaN once the probabilities saturate at 1: a CI run at lr=0.1 did both.)"""
     mode, outs = mode_runs
     if mode == "legacy":
         pytest.skip("legacy: its 2 steps need not hold a step after the first update (pair measured in docs/verl.md)")
-    diff = {}
     if mode == "separate_async":  # its default run has no lag-0 rows after step 1 (one batch ahead)
         outs = {name.removesuffix("_fresh"): out for name, out in outs.items() if name.endswith("_fresh")}
+    rows: dict[str, list] = {"synced": [], "skipped": []}
     for name, out in outs.items():
         steps = _steps(out)
         # the first step that moved the actor: a batch whose groups all have equal rewards moves nothing
         # (CI saw step 1 do so with 8 prompts: every sample of every prompt wrong), the next step then does
         first = min((s for s, r in steps.items() if r["actor/grad_norm"] > 1e-6), default=None)
         assert first is not None and first < max(steps), f"{name}: no step before the last updated the actor"
-        fresh = [
-            (r["sync/tokens_lag_0"], r["sync/prob_diff_mean_lag_0"])
-            for s, r in steps.items()
-            if s > first and r.get("sync/tokens_lag_0")
-        ]
-        assert fresh, f"{name}: no rows generated with the current weights after step {first}, the first update"
-        diff[name] = sum(n * d for n, d in fresh) / sum(n for n, _ in fresh)
+        arm = {s: name for s in steps if s > first}
+        if name == "two_skipped":  # the worker's own record: which syncs it skipped (call 1 = the initial load)
+            syncs = [json.loads(line) for line in (out / "syncs.jsonl").read_text().splitlines()]
+            skipped = [c["call"] for c in syncs if c["skipped"]]
+            # the syncs after steps first and first + 1: the rows of step first + 2 that began after the
+            # second are at lag 0 on weights two updates old; from step first + 3 the rollout holds the actor's
+            assert skipped == [first + 1, first + 2], (first, syncs)
+            assert first + 3 <= max(steps), f"no step after the loads resumed (first update at step {first})"
+            arm = {s: "skipped" if s <= first + 2 else "synced" for s in steps if s > first}
+        for s, which in arm.items():
+            if steps[s].get("sync/tokens_lag_0"):
+                rows[which].append((steps[s]["sync/tokens_lag_0"], steps[s]["sync/prob_diff_mean_lag_0"]))
         # step 1: nothing to sync yet, both engines hold the same weights
         assert steps[1]["sync/prob_diff_mean_lag_0"] < 0.02, (name, steps[1]["sync/prob_diff_mean_lag_0"])
+    assert rows["synced"], f"no rows generated with the current weights after the first update: {outs}"
+    diff = {k: sum(n * d for n, d in v) / sum(n for n, _ in v) for k, v in rows.items() if v}
     assert diff["synced"] < 0.02, diff
-    if "skipped" in diff:  # the control: without the post-update load the measure is far off
+    if mode == "colocate_async":  # CI's control: without the post-update load the measure is far off
+        assert "skipped" in diff, "no lag-0 rows after the skipped loads"
+    if "skipped" in diff:
         assert diff["skipped"] >= 10 * max(diff["synced"], 1e-3), diff
 
 
@@ -547,7 +576,9 @@ def _killed_and_resumed(verl_python: str, root: Path, mode: str, kill_replica: b
             return p.get("phase") == "gen" and p.get("step") == 3
 
         progress.unlink()  # the killed run's last phase (it may have been in step 3's generation too)
-        second = popen("trainer.resume=true")
+        # the watchdog's error grace (default 120 s of silence after a traceback) at 10 s, as in the
+        # failed-sync run: ~110 s of CI less, the same stop
+        second = popen("trainer.resume=true", "verl.error_grace_s=10")
         try:
             _wait_for(second, in_step3_generation, "the resumed run never reached step 3's generation")
             replicas = _descendants(second.pid, "vLLMHttpServer")
