@@ -17,8 +17,9 @@ over the steps after the first (the first carries start-up and first-request war
     python benchmarks/bench_verl_phases.py --modes sync,colocate_async,separate_async --gpu  # a GPU machine
 
 On a 2-core CPU the asynchronous modes share the cores between rollout and training, so they are
-not expected to be faster here; what they show is which phases overlap. separate_async needs GPUs
-(its own rollout pool and an nccl/nixl/mooncake weight transport): ``--gpu`` runs it there.
+not expected to be faster here; what they show is which phases overlap. separate_async runs its
+rollout on a pool of its own (a second logical GPU of the CPU profile) and moves weights with our
+``gloo`` checkpoint engine (otb_tir/verl/gloo_engine.py); on a GPU machine verl's nccl engine.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def figures(trainer: str, out: Path) -> dict[str, float | None]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--modes", default="local,legacy,sync,colocate_async", help=f"comma-separated, of {TRAINERS}")
+    p.add_argument("--modes", default=",".join(TRAINERS), help=f"comma-separated, of {TRAINERS}")
     p.add_argument("--verl-python", default=str(REPO / ".venv-verl" / "bin" / "python"))
     p.add_argument("--gpu", action="store_true", help="trainer.device=cuda (a GPU machine)")
     p.add_argument("--timeout", type=float, default=1500.0, help="per run, seconds")
