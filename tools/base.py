@@ -87,9 +87,23 @@ class Tool(abc.ABC):
     name: str = ""
     description: str = ""
     parameters: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
+    #: True for a tool that may wait for capacity before it works (the python tool: a free sandbox
+    #: worker) and bounds its own work by the ``timeout`` :meth:`invoke` hands to
+    #: :meth:`call_bounded`: the wait is not counted as the call's time (64 episodes calling at once
+    #: on 4 workers would otherwise read "timed out" for snippets that never ran). :meth:`invoke`
+    #: still bounds the whole call, by ``timeout`` plus :attr:`capacity_wait_s`.
+    bounds_itself: bool = False
+    capacity_wait_s: float = 300.0
 
     @abc.abstractmethod
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult: ...
+
+    async def call_bounded(
+        self, args: dict[str, Any], *, session_id: str | None = None, timeout: float | None = None
+    ) -> ToolResult:
+        """:meth:`call` with the tool's own work bounded by ``timeout`` (``bounds_itself`` tools
+        override it; the default ignores ``timeout``, which :meth:`invoke` then applies)."""
+        return await self.call(args, session_id=session_id)
 
     async def release(self, session_id: str) -> None:
         """Free whatever the tool holds for ``session_id`` (no-op for stateless tools)."""
@@ -147,16 +161,28 @@ class Tool(abc.ABC):
         problem = self.check_arguments(args)
         if problem is not None:
             return ToolResult(text=problem, ok=False, error=ErrorKind.BAD_ARGUMENTS)
-        if timeout is None:
-            return as_result(await self.call(args, session_id=session_id))
-        task = asyncio.ensure_future(self.call(args, session_id=session_id))
+        if self.bounds_itself:
+            work = self.call_bounded(args, session_id=session_id, timeout=timeout)
+            limit = None if timeout is None else timeout + self.capacity_wait_s
+        else:
+            work, limit = self.call(args, session_id=session_id), timeout
+        if limit is None:
+            return as_result(await work)
+        task = asyncio.ensure_future(work)
         try:
-            done, _ = await asyncio.wait({task}, timeout=timeout)
+            done, _ = await asyncio.wait({task}, timeout=limit)
         except asyncio.CancelledError:
             task.cancel()
             raise
         if not done:
             task.cancel()
+            if self.bounds_itself:  # its own bound held no longer: capacity never came, not the model's code
+                return ToolResult(
+                    text=f"Error: tool '{self.name}' gave no result within {limit:g} s: it waited more than "
+                    f"{self.capacity_wait_s:g} s for capacity (the machine is overloaded).",
+                    ok=False,
+                    error=ErrorKind.SANDBOX,
+                )
             return ToolResult(
                 text=f"Error: tool '{self.name}' timed out after {timeout:g} s.", ok=False, error=ErrorKind.TIMEOUT
             )

@@ -84,7 +84,7 @@ class MultiTurnConfig:
     # keyword settings per tool name, e.g. {python: {timeout: 5}}
     tool_config: dict[str, Any] = field(default_factory=dict)
     tool_config_path: str | None = None  # a verl-style tools YAML; its tools are added to `tools`
-    tool_timeout: float = 5.0  # seconds a tool call may take before it answers a timeout error
+    tool_timeout: float = 5.0  # s a tool call may run before a timeout error (python: from when a worker runs it)
     # an `mcpServers` JSON/YAML file (stdio: command/args/env, streamable HTTP: url/headers): each server is
     # started at build and its tools join the set (all of them when `tools` is null, else those `tools` names);
     # stdio servers run under bubblewrap unless the server sets "unsandboxed": true. See docs/extending.md

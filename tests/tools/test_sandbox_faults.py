@@ -207,3 +207,36 @@ def test_close_during_the_start_stops_the_workers_it_launched(loop):
     result = loop.run_until_complete(scenario())
     assert not result.ok  # an error observation, never an exception
     assert t.pool.workers == [] and t.pool._start_task is None
+
+
+SLEEP = "import time\ntime.sleep({s})\nprint('done')"
+
+
+def test_waiting_for_a_free_worker_is_not_the_snippets_time(loop):
+    """An episode's tool timeout bounds the snippet from the moment a worker runs it: four 0.8 s
+    snippets at once on one worker, each under a 2 s timeout, all succeed, though the last one
+    necessarily ends after 3.2 s (before 2026-12-05 the wait counted: the last two read "timed out
+    after 2 s", for code that never ran: 42% of a held-out set's tool calls once, 100 episodes on
+    4 workers). The snippet's own time is still bounded by the episode's timeout (lower than the
+    tool's), and the wait for a worker by ``queue_timeout``."""
+    t = PythonTool(backend=BACKEND, workers=1, preload=LIGHT, cache=False, timeout=5.0, queue_timeout=0.5)
+    try:
+        assert call(loop, t, "print(1)").ok  # the pool started (its start is not under test)
+
+        async def at_once(code: str, n: int, timeout: float):
+            return await asyncio.gather(*(t.invoke({"code": code}, timeout=timeout) for _ in range(n)))
+
+        t.capacity_wait_s = 30.0
+        results = loop.run_until_complete(at_once(SLEEP.format(s=0.8), 4, 2.0))
+        assert [(r.ok, r.error, r.text) for r in results] == [(True, None, "done\n")] * 4
+        # the snippet's own time: killed at the episode's 1 s, not the tool's 5 s
+        (slow,) = loop.run_until_complete(at_once(SLEEP.format(s=3), 1, 1.0))
+        assert slow.error == ErrorKind.TIMEOUT and "ran longer than 1 s" in slow.text
+        # the wait is bounded: the second of two 1.5 s snippets waits 1.5 s for the only worker,
+        # past its timeout (1.9 s) + queue_timeout (0.5 s) in all: a sandbox error, not a timeout
+        t.capacity_wait_s = 0.5
+        first, second = loop.run_until_complete(at_once(SLEEP.format(s=1.5), 2, 1.9))
+        assert first.ok and first.text == "done\n"
+        assert second.error == ErrorKind.SANDBOX and "waited more than 0.5 s for capacity" in second.text
+    finally:
+        loop.run_until_complete(t.close())

@@ -65,7 +65,9 @@ class SandboxStats:
 class PythonTool(Tool):
     """Run Python code in a sandbox and return what it prints.
 
-    Config (keywords): ``timeout`` (s per snippet, wall clock), ``workers`` (pool size),
+    Config (keywords): ``timeout`` (s per snippet, wall clock, from the moment a worker runs it: an
+    episode's ``tool_timeout`` lowers it, waiting for a free worker does not count), ``queue_timeout``
+    (s a call may wait for a free worker, default 300: then a ``sandbox_error``), ``workers`` (pool size),
     ``backend`` ("auto" = bubblewrap, the system's or the bundled one, else a ToolError saying
     why | "bwrap" | "docker" | "unisolated": no isolation, an explicit opt-in; or a Backend instance),
     ``stateful`` (keep globals across the calls of one ``session_id``), ``memory_mb`` (address
@@ -100,6 +102,7 @@ class PythonTool(Tool):
         self,
         *,
         timeout: float = 5.0,
+        queue_timeout: float = 300.0,
         workers: int = 4,
         backend: str | Backend = "auto",
         stateful: bool = False,
@@ -126,6 +129,7 @@ class PythonTool(Tool):
                 raise ToolError(f"PythonTool: {name} must be a positive {kind.__name__}, got {v!r}")
 
         positive("timeout", timeout, float)
+        positive("queue_timeout", queue_timeout, float)
         for n, v in (
             ("workers", workers),
             ("memory_mb", memory_mb),
@@ -144,6 +148,7 @@ class PythonTool(Tool):
         if nofile < 16:
             raise ToolError("PythonTool: nofile must be at least 16 (Python needs a few fds)")
         self.timeout = float(timeout)
+        self.capacity_wait_s = float(queue_timeout)
         self.stateful = bool(stateful)
         self.max_output_chars = int(max_output_chars)
         self.max_code_chars = int(max_code_chars)
@@ -240,7 +245,16 @@ class PythonTool(Tool):
             return f"argument 'code' is {len(args['code'])} characters long; the limit is {self.max_code_chars}"
         return None
 
+    bounds_itself = True  # the worker kills a snippet at its limit; waiting for a worker is not its time
+
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
+        return await self.call_bounded(args, session_id=session_id)
+
+    async def call_bounded(
+        self, args: dict[str, Any], *, session_id: str | None = None, timeout: float | None = None
+    ) -> ToolResult:
+        """The snippet runs for at most ``min(self.timeout, timeout)`` once a worker has it."""
+        limit = self.timeout if timeout is None else min(self.timeout, float(timeout))
         t0 = time.perf_counter()
         self.stats.calls += 1
         problem = self._bad_args(args)
@@ -255,9 +269,9 @@ class PythonTool(Tool):
             )
         code: str = args["code"]
         if self.stateful and session_id is not None:
-            result = await self._call_session(session_id, code)
+            result = await self._call_session(session_id, code, limit)
         else:
-            key = (code, self.timeout, self.max_output_chars)
+            key = (code, limit, self.max_output_chars)
             cacheable = self.use_cache and not _NONDETERMINISTIC.search(code)
             if cacheable:
                 self.stats.cache_lookups += 1
@@ -267,7 +281,7 @@ class PythonTool(Tool):
                     self.stats.cache_hits += 1
                     metrics = dict(hit.metrics, cache_hit=1.0, latency_ms=(time.perf_counter() - t0) * 1000.0)
                     return self._count(ToolResult(hit.text, hit.ok, hit.error, metrics))
-            result = await self._call_pool(code)
+            result = await self._call_pool(code, limit)
             if cacheable and result.error not in (ErrorKind.TIMEOUT, ErrorKind.SANDBOX):
                 self._cache[key] = result
                 if len(self._cache) > self.cache_size:
@@ -281,7 +295,7 @@ class PythonTool(Tool):
             self.errors_by_kind[r.error] += 1
         return r
 
-    async def _call_pool(self, code: str) -> ToolResult:
+    async def _call_pool(self, code: str, limit: float) -> ToolResult:
         """Run on an idle worker. If that worker dies during the call from an outside cause (the
         snippet's own crash, timeout or limit is answered by the worker and never lands here),
         the snippet is run once more on a fresh worker, so the model never reads an
@@ -292,7 +306,7 @@ class PythonTool(Tool):
             except WorkerDied as e:
                 return _sandbox_error(str(e))
             try:
-                reply = await w.run(code, self.timeout, self.max_output_chars)
+                reply = await w.run(code, limit, self.max_output_chars)
             except WorkerDied as e:
                 self.stats.respawns += 1
                 if attempt == 1 and not e.hung and not self.pool.closed:
@@ -302,13 +316,13 @@ class PythonTool(Tool):
                 return _sandbox_error(str(e))
             finally:
                 self.pool.release(w)
-            result = self._to_result(reply)
+            result = self._to_result(reply, limit)
             if attempt == 2:
                 result.metrics["infra_retries"] = 1.0
             return result
         raise AssertionError("unreachable")
 
-    async def _call_session(self, session_id: str, code: str) -> ToolResult:
+    async def _call_session(self, session_id: str, code: str, limit: float) -> ToolResult:
         lock = self._session_locks.setdefault(session_id, asyncio.Lock())
         async with lock:
             w = self._sessions.get(session_id)
@@ -341,7 +355,7 @@ class PythonTool(Tool):
                     self._sessions.pop(session_id, None)
                     return _sandbox_error(str(e))
             try:
-                reply = await w.run(code, self.timeout, self.max_output_chars)
+                reply = await w.run(code, limit, self.max_output_chars)
             except WorkerDied as e:
                 self.stats.respawns += 1
                 self._sessions.pop(session_id, None)
@@ -350,7 +364,7 @@ class PythonTool(Tool):
                 return self._session_lost(str(e))
             if restarted:
                 reply.state_reset = True
-            return self._to_result(reply)
+            return self._to_result(reply, limit)
 
     def _session_lost(self, why: str) -> ToolResult:
         self.stats.sessions_lost += 1
@@ -364,7 +378,7 @@ class PythonTool(Tool):
             metrics={"cache_hit": 0.0},
         )
 
-    def _to_result(self, reply: RunReply) -> ToolResult:
+    def _to_result(self, reply: RunReply, limit: float) -> ToolResult:
         text = reply.output
         error = _STATUS_TO_ERROR.get(reply.status, ErrorKind.SANDBOX)
         ok = reply.status == "ok"
@@ -376,7 +390,7 @@ class PythonTool(Tool):
             if reply.status in ("ok", "output_cut"):
                 ok, error = True, ErrorKind.OUTPUT_CUT
         if reply.status == "timeout":
-            text += _sep(text) + (f"TimeoutError: the snippet ran longer than {self.timeout:g} s and was killed")
+            text += _sep(text) + (f"TimeoutError: the snippet ran longer than {limit:g} s and was killed")
         if reply.note and reply.status != "timeout":
             text += _sep(text) + f"[{reply.note}]"
         elif reply.note:
