@@ -54,6 +54,7 @@ class Progress:
         self.path = Path(path)
         self.step = 0
         self.stack: list[str] = []
+        self._failed: tuple[BaseException, str] | None = None  # an exception and the phase it left
 
     def write(self, phase: str, failed: str | None = None) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -68,6 +69,13 @@ class Progress:
         self.stack.append(name)
         self.write(name)
 
+    def fail(self, exc: BaseException, name: str) -> None:
+        """``exc`` escapes the phase ``name`` through a hook that closes it (verl's ``on_sample_end``
+        closes ``gen``, and may itself raise: a replica that died answers its sleep call with
+        ActorDiedError): the phases around it name ``name`` as where the run failed."""
+        if self._failed is None or self._failed[0] is not exc:
+            self._failed = (exc, name)
+
     def leave(self, name: str, failed: str | None = None) -> None:
         """The phase ``name`` ends (and any phase opened inside it and left open)."""
         while self.stack:
@@ -81,10 +89,14 @@ class Progress:
         failed = None
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             # the innermost phase still open: one verl opens and closes in two hooks (``gen``) is left
-            # open by the exception, and it is where the run failed
-            failed = self.stack[-1] if self.stack else name
+            # open by the exception, and it is where the run failed; or the phase whose closing hook
+            # raised it (:meth:`fail`)
+            if self._failed is not None and self._failed[0] is exc:
+                failed = self._failed[1]
+            else:
+                failed = self.stack[-1] if self.stack else name
             raise
         finally:
             self.leave(name, failed=failed)

@@ -214,6 +214,10 @@ class OTBTrainerMixin:
         )
         try:
             super().on_sample_end()  # type: ignore[misc]
+        except BaseException as exc:  # sleeping a replica that died: the run failed in `gen`
+            if self._otb_run:
+                self._otb_run.progress.fail(exc, "gen")
+            raise
         finally:
             if self._otb_run:
                 self._otb_run.progress.leave("gen")

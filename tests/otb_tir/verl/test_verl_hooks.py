@@ -221,3 +221,22 @@ def test_progress_names_the_innermost_open_phase_that_failed(tmp_path):
         with p.phase("update_actor"):
             raise RuntimeError("oom")
     assert _json.loads((tmp_path / "progress.json").read_text())["failed"] == "update_actor"
+    # gen's closing hook raises (verl's on_sample_end sleeps a replica that died: ActorDiedError), as
+    # otb_tir.verl.v1's on_sample_end reports it: gen is closed before the step sees the exception
+    # (CI, 2026-12-05: the watchdog said "phase 'step'")
+    with pytest.raises(RuntimeError):
+        with p.phase("step"):
+            p.enter("gen")
+            try:
+                raise RuntimeError("the actor died unexpectedly")
+            except RuntimeError as exc:
+                p.fail(exc, "gen")
+                raise
+            finally:
+                p.leave("gen")
+    assert _json.loads((tmp_path / "progress.json").read_text())["failed"] == "gen"
+    # a later, unrelated failure is named where it happened
+    with pytest.raises(RuntimeError):
+        with p.phase("old_log_prob"):
+            raise RuntimeError("another")
+    assert _json.loads((tmp_path / "progress.json").read_text())["failed"] == "old_log_prob"
