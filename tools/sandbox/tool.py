@@ -87,6 +87,7 @@ class PythonTool(Tool):
     """
 
     name = "python"
+    bounds_itself = True  # the worker kills a snippet at its limit; waiting for a worker is not its time
     description = (
         "Execute Python 3 code in a sandbox and return its printed output (stdout and "
         "stderr). The value of a final bare expression is printed too. math, numpy "
@@ -244,8 +245,6 @@ class PythonTool(Tool):
         if len(args["code"]) > self.max_code_chars:
             return f"argument 'code' is {len(args['code'])} characters long; the limit is {self.max_code_chars}"
         return None
-
-    bounds_itself = True  # the worker kills a snippet at its limit; waiting for a worker is not its time
 
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
         return await self.call_bounded(args, session_id=session_id)
