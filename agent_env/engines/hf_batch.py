@@ -68,10 +68,11 @@ def slack_layer_class() -> type:
                 self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
                 self._views: tuple[torch.Tensor, torch.Tensor] | None = None
 
-            def update(self, key_states, value_states, *args, **kwargs):
-                t, n = self.keys.shape[-2], key_states.shape[-2]
+            def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+                """Buffers holding the ``t`` filled columns with room for ``n`` more after them
+                (reallocated when full or when ``keys``/``values`` were replaced from outside), and ``t``."""
+                t = self.keys.shape[-2]
                 views, bufs = self._views, self._bufs  # set together: views of bufs' first columns
-                # keys/values replaced from outside (a merge, a row drop, a trim), or no free column left
                 ours = views is not None and views[0] is self.keys and views[1] is self.values
                 if not ours or bufs[0].shape[-2] < t + n:
                     bufs = tuple(
@@ -81,10 +82,21 @@ def slack_layer_class() -> type:
                     bufs[0][..., :t, :].copy_(self.keys)
                     bufs[1][..., :t, :].copy_(self.values)
                     self._bufs = bufs
-                bufs[0][..., t : t + n, :].copy_(key_states)
-                bufs[1][..., t : t + n, :].copy_(value_states)
-                self.keys, self.values = bufs[0][..., : t + n, :], bufs[1][..., : t + n, :]
+                    self._views = (self.keys, self.values) = (bufs[0][..., :t, :], bufs[1][..., :t, :])
+                return bufs[0], bufs[1], t
+
+            def advance(self, n: int) -> None:
+                """Take ``n`` more columns of the buffers (written by the caller) into ``keys``/``values``."""
+                t = self.keys.shape[-2] + n
+                self.keys, self.values = self._bufs[0][..., :t, :], self._bufs[1][..., :t, :]
                 self._views = (self.keys, self.values)
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                keys, values, t = self.reserve(key_states.shape[-2])
+                n = key_states.shape[-2]
+                keys[..., t : t + n, :].copy_(key_states)
+                values[..., t : t + n, :].copy_(value_states)
+                self.advance(n)
                 return self.keys, self.values
 
         _SLACK_LAYER = SlackLayer

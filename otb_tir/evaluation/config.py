@@ -75,6 +75,7 @@ class EvalConfig:
 EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.name": ("hf", "vllm", "sglang"),
+    "rollout.decode_step": ("auto", "model", "fused", "compiled"),
     "rollout.device": ("auto", "cpu", "cuda"),
     "rollout.dtype": ("float32", "bfloat16", "float16", "auto"),
     "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),

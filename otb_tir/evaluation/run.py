@@ -129,6 +129,7 @@ def build_engine(cfg: DictConfig, path: Path, tokenizer: Any) -> Any:
                 stop_at_eos=False,
                 prefix_cache_bytes=None if r.enable_prefix_caching else 0,
                 cpu_threads=r.cpu_threads,
+                decode_step=r.decode_step,
             )
         from otb_tir.builders import serving_engine
 

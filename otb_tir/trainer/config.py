@@ -59,6 +59,10 @@ class RolloutConfig:
     # hf engine on the CPU: torch threads for its steps (null: half of torch's, at least 1, leaving the other
     # cores to the tools' sandboxes that run beside generation; 0: torch's own setting)
     cpu_threads: int | None = None
+    # hf engine: a decode step through auto (fused where the model is a Qwen2/Qwen3/Llama one, else model) |
+    # model (its own forward) | fused (the step written out from its weights) | compiled (fused, torch.compile'd:
+    # the first compile takes seconds to tens of seconds)
+    decode_step: str = "auto"
     # keep a finished turn's keys/values for the episode's next turn, so only the tool's answer is prefilled
     # (hf engine: up to 256 MiB, dropped when the weights change; vllm/sglang: their own prefix caching)
     enable_prefix_caching: bool = True
@@ -215,6 +219,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.name": ("auto", "hf", "vllm", "sglang"),
+    "rollout.decode_step": ("auto", "model", "fused", "compiled"),
     "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),
     "actor.optim.lr_scheduler": ("constant", "cosine"),
     "trainer.name": ("local", "verl"),

@@ -192,6 +192,7 @@ def build_parts(
         stop_at_eos=False,
         prefix_cache_bytes=None if cfg.rollout.enable_prefix_caching else 0,
         cpu_threads=cfg.rollout.cpu_threads,
+        decode_step=cfg.rollout.decode_step,
     )
     if cfg.rollout.name in ("vllm", "sglang"):
         engine = _serving_engine(cfg, path, shard, policy)

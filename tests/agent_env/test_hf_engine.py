@@ -181,16 +181,16 @@ def test_stop_string_in_prompt_is_ignored(engine, tiny_tokenizer, prompts):
 
 def test_step_failure_reaches_callers_and_engine_recovers(tiny_model_factory, prompts):
     eng = HFEngine(tiny_model_factory())
-    real = eng._forward
+    real = eng._decode_forward  # the decode step, whichever runs it (fused by default, the model's forward)
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 2:
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    eng._forward = flaky
+    eng._decode_forward = flaky
     sp = SamplingParams(max_tokens=10, temperature=0.0)
     with pytest.raises(EngineError, match="boom"):
         run(gen_all(eng, prompts[:3], sp))

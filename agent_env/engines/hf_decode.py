@@ -1,0 +1,336 @@
+"""HFEngine's decode step written out for the Llama family, eager or compiled.
+
+A decode step feeds one token per running row. On a small policy on the CPU the model's own
+``forward`` spends most of that step in Python and dispatch: transformers' cache classes, mask
+building, one small matrix product per projection, output dataclasses. :class:`FusedDecoder` does the
+same arithmetic from the model's own weights in one function: the query/key/value and gate/up
+projections each in one matrix product (their weights concatenated once per weight version), the
+token's keys/values written in place into the running batch's KV buffers
+(:func:`agent_env.engines.hf_batch.slack_layer_class`), attention over the filled columns as two
+batched products, no cache objects. ``compiled=True`` puts it through ``torch.compile`` (inductor,
+shapes dynamic so rows joining and leaving and the growing width do not recompile); the first call
+compiles (its seconds are in :attr:`FusedDecoder.compile_s`), torch keeps the result in its on-disk
+cache for the next process.
+
+Measured (``benchmarks/bench_engine_decode.py``, docs/results.md): the built-in policy, 16 rows,
+~100 columns, one thread: the model's forward 7.1 ms a step, this step 3.2 ms eager, 1.8 ms compiled
+(compiling took 19 s the first time, 4.4 s from torch's cache).
+
+Which models: :func:`unsupported` says why a model is not one it reproduces (the checks are on the
+modules, not only the name: Qwen2, Qwen3 and Llama layers, SiLU MLP, RMS norms, a rotary embedding
+with a fixed ``inv_freq``, full attention everywhere). A model that passes them still gets a
+probe when the decoder is built (:meth:`FusedDecoder.probe`): a few tokens through the model's own
+forward and through this step, logits compared; a mismatch is an ``EngineError`` naming the gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from agent_env.engines.base import EngineError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DECODE_STEPS", "FusedDecoder", "unsupported"]
+
+DECODE_STEPS = ("auto", "model", "fused", "compiled")
+MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama"})
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fixed at load time
+FUSE_BYTES = 512 * 2**20  # concatenate q/k/v and gate/up weights (one copy of them) up to this model size
+
+
+def unsupported(model: Any) -> str | None:
+    """Why ``model`` is not one :class:`FusedDecoder` reproduces, or None."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in MODEL_TYPES:
+        return f"model_type {kind!r} is not one of {sorted(MODEL_TYPES)}"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (the written-out MLP is SiLU-gated)"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return "some layers use sliding-window attention"
+    if getattr(cfg, "use_sliding_window", False):
+        return "use_sliding_window is set"
+    inner = getattr(model, "model", None)
+    rope = getattr(inner, "rotary_emb", None)
+    if rope is None or not isinstance(getattr(rope, "inv_freq", None), torch.Tensor):
+        return "no rotary embedding with an inv_freq buffer"
+    if getattr(rope, "rope_type", "default") not in STATIC_ROPE:
+        return f"rope_type {rope.rope_type!r} changes its frequencies with the length"
+    for layer in getattr(inner, "layers", None) or ():
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(m) is torch.nn.Linear for m in linears):
+            return "a layer's projections are not plain torch Linear modules (quantized or adapted?)"
+        if not hasattr(layer, "input_layernorm") or not hasattr(layer, "post_attention_layernorm"):
+            return "a layer without input/post-attention norms"
+    if not getattr(inner, "layers", None):
+        return "no decoder layers at model.model.layers"
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
+        return "logit soft-capping"
+    return None
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as transformers' Llama/Qwen RMSNorm: in float32, scaled by the weight in the input's dtype
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _make_step(shape: dict[str, Any]) -> Callable:
+    """The step as a function of tensors only (what ``torch.compile`` traces); ``shape``'s numbers
+    are constants of it."""
+    hq, hkv, d, eps, scaling = shape["hq"], shape["hkv"], shape["head_dim"], shape["eps"], shape["scaling"]
+    g, qk_norm, scale_rope = hq // hkv, shape["qk_norm"], shape["rope_scaling"]
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def step(ids, pos, col, bias, keys, values, layers, embed, norm, head, head_bias, inv_freq):
+        b = ids.shape[0]
+        h = F.embedding(ids, embed)
+        freqs = pos[:, None].float() * inv_freq[None, :].float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * scale_rope).to(h.dtype)[:, None, :]
+        sin = (emb.sin() * scale_rope).to(h.dtype)[:, None, :]
+        for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), k_buf, v_buf in zip(
+            layers, keys, values
+        ):
+            x = _rms(h, ln1, eps)
+            if isinstance(qkv_w, tuple):  # unfused: q, k, v apart
+                q, k, v = (F.linear(x, w, bb) for w, bb in zip(qkv_w, qkv_b))
+            else:
+                q, k, v = F.linear(x, qkv_w, qkv_b).split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+            if qk_norm:
+                q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            k_buf.index_copy_(2, col, k[:, :, None, :])
+            v_buf.index_copy_(2, col, v[:, :, None, :])
+            scores = (q.view(b, hkv, g, d) @ k_buf.transpose(-1, -2)) * scaling + bias[:, None, None, :]
+            probs = scores.float().softmax(dim=-1).to(v_buf.dtype)
+            h = h + F.linear((probs @ v_buf).reshape(b, hq * d), o_w, o_b)
+            x = _rms(h, ln2, eps)
+            if isinstance(gu_w, tuple):
+                gate, up = (F.linear(x, w, bb) for w, bb in zip(gu_w, gu_b))
+            else:
+                gate, up = F.linear(x, gu_w, gu_b).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, down_w, down_b)
+        return F.linear(_rms(h, norm, eps), head, head_bias).float()
+
+    return step
+
+
+class FusedDecoder:
+    """One decode step of the running batch through ``model``'s weights (see the module docstring).
+
+    Args:
+        model: a causal LM that :func:`unsupported` accepts.
+        compiled: put the step through ``torch.compile``; if compiling fails, the eager step runs
+            on and :attr:`compile_error` says why (the engine logs it and reports it in its stats).
+        probe: compare with the model's own forward now (:meth:`probe`).
+    """
+
+    def __init__(self, model: Any, compiled: bool = False, probe: bool = True) -> None:
+        why = unsupported(model)
+        if why:
+            raise EngineError(f"the fused decode step does not cover this model: {why}")
+        self.model = model
+        cfg = model.config
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        self.shape = {
+            "hq": hq,
+            "hkv": hkv,
+            "head_dim": head_dim,
+            "eps": float(inner.layers[0].input_layernorm.variance_epsilon),
+            "scaling": float(getattr(attn, "scaling", head_dim**-0.5)),
+            "qk_norm": hasattr(attn, "q_norm"),
+            "rope_scaling": float(getattr(inner.rotary_emb, "attention_scaling", 1.0)),
+        }
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.fuse = nbytes <= FUSE_BYTES
+        self._eager = _make_step(self.shape)
+        self._fn = self._eager
+        self.compiled = False
+        self.compile_s: float | None = None
+        self.compile_error: str | None = None
+        if compiled:
+            try:
+                self._fn = torch.compile(self._eager, dynamic=True)
+                self.compiled = True
+            except Exception as exc:  # noqa: BLE001 - reported, the eager step runs on
+                self._compile_failed(exc)
+        self._weights: tuple | None = None
+        self._signature: Any = None
+        if probe:
+            self.probe()
+
+    # ------------------------------------------------------------------ weights
+
+    def _signature_now(self) -> Any:
+        return tuple((id(p), p._version) for p in self.model.parameters())
+
+    def weights(self) -> tuple:
+        """The step's weight arguments; q/k/v and gate/up concatenated again after any change."""
+        sig = self._signature_now()
+        if self._weights is not None and sig == self._signature:
+            return self._weights
+        inner = self.model.model
+
+        def pair(*mods):
+            ws, bs = tuple(m.weight for m in mods), tuple(m.bias for m in mods)
+            if not self.fuse:
+                return ws, bs
+            bias = (
+                None
+                if all(x is None for x in bs)
+                else torch.cat([x if x is not None else w.new_zeros(w.shape[0]) for x, w in zip(bs, ws)])
+            )
+            return torch.cat(ws).detach(), bias if bias is None else bias.detach()
+
+        layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = pair(a.q_proj, a.k_proj, a.v_proj)
+            gu_w, gu_b = pair(m.gate_proj, m.up_proj)
+            q_norm = a.q_norm.weight if self.shape["qk_norm"] else None
+            k_norm = a.k_norm.weight if self.shape["qk_norm"] else None
+            layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    qkv_w,
+                    qkv_b,
+                    q_norm,
+                    k_norm,
+                    a.o_proj.weight,
+                    a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    gu_w,
+                    gu_b,
+                    m.down_proj.weight,
+                    m.down_proj.bias,
+                )
+            )
+        head = self.model.get_output_embeddings()
+        self._weights = (
+            tuple(layers),
+            inner.embed_tokens.weight,
+            inner.norm.weight,
+            head.weight,
+            getattr(head, "bias", None),
+            inner.rotary_emb.inv_freq,
+        )
+        self._signature = sig
+        return self._weights
+
+    # ------------------------------------------------------------------ the step
+
+    def _compile_failed(self, exc: BaseException) -> None:
+        self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
+        self._fn, self.compiled = self._eager, False
+        logger.warning("torch.compile of the fused decode step failed, running it eagerly: %s", self.compile_error)
+
+    @torch.no_grad()
+    def step(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, layers: list, eager: bool = False
+    ) -> torch.Tensor:
+        """Logits ``[B, V]`` (float32) for ``ids`` ``[B]`` at positions ``pos`` ``[B]``; ``mask``
+        ``[B, T+1]`` covers the ``T`` cached columns and this token's. ``layers``: the running
+        batch's ``SlackLayer`` s, whose buffers get this token's keys/values at column ``T``.
+        ``eager``: the eager step even when compiled (the probe)."""
+        t = mask.shape[1] - 1
+        bufs = [layer.reserve(1) for layer in layers]
+        if any(filled != t for _, _, filled in bufs):
+            raise EngineError("the running batch's KV layers and its mask disagree on the width")
+        keys = [k[..., : t + 1, :] for k, _, _ in bufs]
+        values = [v[..., : t + 1, :] for _, v, _ in bufs]
+        dtype = keys[0].dtype
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, float("-inf"))
+        col = torch.tensor([t], device=mask.device)
+        args = (ids, pos, col, bias, keys, values, *self.weights())
+        if eager or ids.shape[0] < 2:  # compiled code is traced for 2+ rows (torch specializes on 1)
+            out = self._eager(*args)
+        elif self.compiled and self.compile_s is None:
+            t0 = time.perf_counter()
+            try:
+                out = self._fn(*args)
+            except Exception as exc:  # noqa: BLE001 - reported, the eager step runs on
+                self._compile_failed(exc)
+                out = self._eager(*args)
+            self.compile_s = time.perf_counter() - t0
+            logger.info("fused decode step compiled in %.1f s", self.compile_s)
+        else:
+            out = self._fn(*args)
+        for layer in layers:
+            layer.advance(1)
+        return out
+
+    @torch.no_grad()
+    def probe(self, rows: int = 2, tokens: int = 5) -> float:
+        """Run a short left-padded batch through the model's forward and through this step, from the
+        same cache; raise ``EngineError`` if their log-probs differ by more than the dtype allows.
+        Returns the largest difference."""
+        from transformers import DynamicCache
+
+        from agent_env.engines.hf import cache_kwargs, returned_cache
+        from agent_env.engines.hf_batch import cache_layers, with_slack
+
+        model = self.model
+        dev = next(model.parameters()).device
+        vocab = model.get_input_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (rows, tokens), generator=g).to(dev)
+        mask = torch.ones(rows, tokens, dtype=torch.long, device=dev)
+        mask[1:, :2] = 0  # later rows left-padded
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        was_training = model.training
+        model.eval()
+        try:
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                **cache_kwargs(model, DynamicCache(config=model.config)),
+            )
+            cache = returned_cache(out)
+            nxt = out.logits[:, -1].argmax(-1)
+            step_mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            step_pos = pos[:, -1] + 1
+            mine = DynamicCache(config=model.config)
+            for i, layer in enumerate(cache_layers(cache)):
+                mine.update(layer.keys.clone(), layer.values.clone(), i)
+            with_slack(mine)
+            ref = (
+                model(
+                    input_ids=nxt[:, None],
+                    attention_mask=step_mask,
+                    position_ids=step_pos[:, None],
+                    use_cache=True,
+                    **cache_kwargs(model, cache),
+                )
+                .logits[:, -1]
+                .float()
+            )
+            got = self.step(nxt, step_pos, step_mask, cache_layers(mine), eager=True)
+        finally:
+            if was_training:
+                model.train()
+        gap = float((ref.log_softmax(-1) - got.log_softmax(-1)).abs().max())
+        tol = 1e-3 if ref.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 0.1
+        if not gap <= tol:  # NaN too
+            raise EngineError(
+                f"the fused decode step does not reproduce this model's forward: log-probs differ by {gap:.3g} "
+                f"(allowed {tol}); use decode_step='model'"
+            )
+        return gap
