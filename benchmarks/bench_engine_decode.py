@@ -18,12 +18,19 @@ The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exact
 * ``bare_thread``, ``bare_to_thread``: the same loop in one other thread, and with each step sent
   through ``asyncio.to_thread`` as the engine sends its steps (so a thread's cost shows apart from
   the engine's own);
+* ``bare_fused``, ``bare_compiled``: the same loop through the engine's written-out decode step
+  (:class:`agent_env.engines.hf_decode.FusedDecoder`) over in-place KV buffers, eager and through
+  ``torch.compile``: ``bare_compiled`` is **the floor**, the fastest loop of decode steps this
+  project knows how to write; every row's ratio to it is printed (its compile time apart, warm-up);
 * ``engine``: :class:`agent_env.engines.hf.HFEngine` serving ``--batch`` concurrent ``generate``
   calls (continuous batching, per-request generators; its steps on the caller's thread on the CPU,
-  in a worker thread on a GPU, with its default ``cpu_threads``: half of torch's threads); then
-  once more with device-synchronised timers around its forward and its sampling + bookkeeping, the
+  in a worker thread on a GPU, with its default ``cpu_threads``: half of torch's threads) with its
+  default ``decode_step`` (``auto``: the fused step for the built-in policy and Qwen3); then once more
+  with device-synchronised timers around its decode forward and its sampling + bookkeeping, the
   rest being its serve loop (and the thread hop, if any);
-* ``engine_all_threads`` (CPU): the same engine with ``cpu_threads=0``, torch's own thread count.
+* ``engine_model``, ``engine_compiled``: the same engine decoding with the model's own forward, and
+  with the compiled fused step;
+* ``engine_all_threads`` (CPU): the default engine with ``cpu_threads=0``, torch's own thread count.
 
 ``--busy K`` keeps K other processes spinning on the CPU through every timing, as the tools'
 sandbox processes do beside generation during a rollout. ``--shape``: ``tiny`` (the built-in
@@ -167,6 +174,48 @@ def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main", slack
     return time.perf_counter() - t0
 
 
+def time_bare_fused(model, prompts: torch.Tensor, new: int, compiled: bool) -> tuple[float, float | None]:
+    """The bare loop through the engine's written-out decode step (``compiled``: torch.compile'd),
+    timed after a warm-up that compiles it; returns (seconds, compile seconds)."""
+    from transformers import DynamicCache
+
+    from agent_env.engines.hf import cache_kwargs, returned_cache
+    from agent_env.engines.hf_batch import cache_layers, with_slack
+    from agent_env.engines.hf_decode import FusedDecoder
+
+    dec = FusedDecoder(model, compiled=compiled, probe=False)
+    b, p = prompts.shape
+    dev = prompts.device
+
+    @torch.no_grad()
+    def loop(n: int) -> None:
+        mask = torch.ones(b, p, dtype=torch.long, device=dev)
+        pos = torch.arange(p, device=dev)[None].expand(b, -1)
+        out = model(
+            input_ids=prompts,
+            attention_mask=mask,
+            position_ids=pos,
+            logits_to_keep=1,
+            use_cache=True,
+            **cache_kwargs(model, DynamicCache(config=model.config)),
+        )
+        cache = returned_cache(out)
+        nxt = torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)[:, 0]
+        for i in range(n - 1):
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long, device=dev)], dim=1)
+            with_slack(cache)
+            logits = dec.step(nxt, torch.full((b,), p + i, device=dev), mask, cache_layers(cache))
+            nxt = torch.multinomial(logits.softmax(-1), 1)[:, 0]
+            nxt.tolist()  # the engine needs each row's token on the host every step
+
+    loop(min(new, 8))  # warm-up (the compile)
+    _sync(dev)
+    t0 = time.perf_counter()
+    loop(new)
+    _sync(dev)
+    return time.perf_counter() - t0, dec.compile_s
+
+
 def time_engine(engine, prompts: torch.Tensor, new: int) -> tuple[float, dict[str, Any]]:
     from agent_env.engines.base import SamplingParams
 
@@ -183,7 +232,7 @@ def time_engine(engine, prompts: torch.Tensor, new: int) -> tuple[float, dict[st
 
 
 def profile_engine(engine, prompts: torch.Tensor, new: int) -> dict[str, float]:
-    """The engine again, with device-synchronised timers around its forward and its sampling and
+    """The engine again, with device-synchronised timers around its decode forward and its sampling and
     bookkeeping (``_accept``); the rest of the wall time is its serve loop (and the thread hop, if any)."""
     dev = prompts.device
     acc = {"forward_s": 0.0, "accept_s": 0.0}
@@ -201,12 +250,12 @@ def profile_engine(engine, prompts: torch.Tensor, new: int) -> dict[str, float]:
 
         setattr(engine, name, wrapper)
 
-    timed("_forward", "forward_s")
+    timed("_decode_forward", "forward_s")
     timed("_accept", "accept_s")
     try:
         wall, _ = time_engine(engine, prompts, new)
     finally:
-        del engine._forward, engine._accept  # back to the class's methods
+        del engine._decode_forward, engine._accept  # back to the class's methods
     return {"wall_s": wall, **acc, "other_s": wall - acc["forward_s"] - acc["accept_s"]}
 
 
@@ -256,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab, (a.batch, a.prompt), generator=g).to(device)
-    engine = HFEngine(model, device=device, share_weights=True, stop_at_eos=False, max_batch_size=a.batch, seed=0)
-    all_threads = None
+    common = dict(device=device, share_weights=True, stop_at_eos=False, max_batch_size=a.batch, seed=0)
+    engine = HFEngine(model, **common)
+    others = {"engine_model": HFEngine(model, decode_step="model", **common)}
+    if engine.decode_step != "model":
+        others["engine_compiled"] = HFEngine(model, decode_step="compiled", **common)
     if device.type == "cpu":
-        all_threads = HFEngine(
-            model, device=device, share_weights=True, stop_at_eos=False, max_batch_size=a.batch, seed=0, cpu_threads=0
-        )
+        others["engine_all_threads"] = HFEngine(model, cpu_threads=0, **common)
     spinners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL) for _ in range(a.busy)
     ]
@@ -276,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "new": a.new,
         "busy": a.busy,
         "engine_cpu_threads": engine.cpu_threads,
+        "engine_decode_step": engine.decode_step,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     warm = min(a.new, 8)
@@ -285,12 +336,19 @@ def main(argv: list[str] | None = None) -> int:
     res["bare_slack_s"] = time_bare(model, prompts, a.new, slack=True)
     res["bare_thread_s"] = time_bare(model, prompts, a.new, "thread")
     res["bare_to_thread_s"] = time_bare(model, prompts, a.new, "to_thread")
+    paths = ["generate", "bare", "bare_slack", "bare_thread", "bare_to_thread"]
+    if engine.decode_step != "model":
+        res["bare_fused_s"], _ = time_bare_fused(model, prompts, a.new, compiled=False)
+        res["bare_compiled_s"], res["bare_compile_s"] = time_bare_fused(model, prompts, a.new, compiled=True)
+        paths += ["bare_fused", "bare_compiled"]
     res["engine_s"], res["engine_stats"] = time_engine(engine, prompts, a.new)
-    paths = ["generate", "bare", "bare_slack", "bare_thread", "bare_to_thread", "engine"]
-    if all_threads is not None:
-        time_engine(all_threads, prompts, warm)
-        res["engine_all_threads_s"], _ = time_engine(all_threads, prompts, a.new)
-        paths.append("engine_all_threads")
+    paths.append("engine")
+    for name, other in others.items():
+        time_engine(other, prompts, warm)  # warm-up (the compiled engine compiles here)
+        res[name + "_s"], _ = time_engine(other, prompts, a.new)
+        paths.append(name)
+    if "engine_compiled" in others:
+        res["engine_compile_s"] = others["engine_compiled"].compile_s
     res["engine_profile"] = profile_engine(engine, prompts, a.new)
     for proc in spinners:
         proc.kill()
@@ -299,15 +357,28 @@ def main(argv: list[str] | None = None) -> int:
     res["sampling"] = time_sampling(logits, reps=20)
     ms = {k: res[k + "_s"] / a.new * 1e3 for k in paths}
     res["ms_per_step"] = ms
+    floor = ms.get("bare_compiled")
+    res["floor"] = "bare_compiled" if floor else None
     print(
         f"{res['device']} (torch {res['torch']}), {shape} ({res['parameters'] / 1e6:.1f}M parameters) {dtype}, "
         f"batch {a.batch}, prompt {a.prompt}, {a.new} new tokens, {torch.get_num_threads()} torch threads "
         f"(the engine's steps: {engine.cpu_threads or torch.get_num_threads()}), "
         f"{a.busy} other process(es) spinning"
     )
-    print(f"{'path':<19} {'ms/step':>8} {'vs generate':>12}")
+    print(f"{'path':<19} {'ms/step':>8} {'vs generate':>12}" + (f" {'vs floor':>9}" if floor else ""))
     for k, v in ms.items():
-        print(f"{k:<19} {v:8.2f} {v / ms['generate']:11.2f}x")
+        print(f"{k:<19} {v:8.2f} {v / ms['generate']:11.2f}x" + (f" {v / floor:8.2f}x" if floor else ""))
+    if floor:
+        print(
+            f"floor: bare_compiled (the fused step through torch.compile, compiled in {res['bare_compile_s']:.1f} s "
+            f"before timing); the engine's default ({engine.decode_step}) is {ms['engine'] / floor:.2f}x the floor"
+            + (
+                f", the compiled engine {ms['engine_compiled'] / floor:.2f}x "
+                f"(compiled in {res['engine_compile_s']:.1f} s)"
+                if "engine_compiled" in ms
+                else ""
+            )
+        )
     pr = res["engine_profile"]
     print(
         "engine, timed with device syncs (ms/step): "

@@ -73,8 +73,13 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
     from otb_tir.trainer.timing import format_step_time, step_time_summary
     from otb_tir.trainer.trainer import Trainer
 
+    from agent_env.rollout import run_sync
+
     rank, world = info.rank, info.world_size
     parts = build_parts(cfg, tools, info, device, reward_fn)
+    # the sandbox's worker pool starts now, on the loop the rollouts run on, not inside step 1's rollout
+    # (where its start-up shared the cores with generation and stalled the first steps' tool calls)
+    run_sync(tools.start())
     summary: dict[str, Any] = {
         "model": str(parts.policy_path),
         "adv_estimator": cfg.algorithm.adv_estimator,
