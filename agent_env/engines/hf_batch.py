@@ -171,17 +171,14 @@ class RunningBatch:
         self._active.extend(reqs)
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """Admit ``reqs``: those that continue a kept request on its keys/values, the rest from their
-        first token (two forwards at most; each group joins the running batch as it is prefilled)."""
-        fresh: list[tuple] = []  # (request, kept tokens, kept keys/values, their mask)
-        cont: list[tuple] = []
+        """Admit ``reqs`` in one forward: those that continue a kept request on its keys/values (only
+        their new tokens go through the model) together with the rest, from their first token."""
+        group: list[tuple] = []  # (request, kept tokens, kept keys/values, their mask)
         weights = self._weights_signature() if self._prefix.max_bytes else None
         for r in reqs:
             hit = self._prefix.take(r.prompt_ids + r.out_ids, weights)  # never one when the cache is off
-            (cont if hit else fresh).append((r, *hit) if hit else (r, 0, [], None))
-        for group in (fresh, cont):
-            if group:
-                self._prefill_group(group)
+            group.append((r, *hit) if hit else (r, 0, [], None))
+        self._prefill_group(group)
 
     def _prefill_group(self, group: list[tuple]) -> None:
         from transformers import DynamicCache
@@ -214,11 +211,19 @@ class RunningBatch:
         cache = DynamicCache(config=self.model.config)
         if p_width:
             pad = torch.nn.functional.pad
+            some = next(group[i][2] for i, w in zip(rows, kept) if w)  # a kept row: the layers' shapes
+
+            def kept_columns(i: int, w: int, layer: int, which: int) -> torch.Tensor:
+                if w:
+                    return pad(group[i][2][layer][which], (0, 0, p_width - w, 0))
+                ref = some[layer][which]  # a row prefilled from its first token: p_width masked columns
+                return ref.new_zeros((1, ref.shape[1], p_width, ref.shape[3]))
+
             for layer, _ in enumerate(cache_layers(cache)):
-                keys = torch.cat([pad(group[i][2][layer][0], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
-                values = torch.cat([pad(group[i][2][layer][1], (0, 0, p_width - w, 0)) for i, w in zip(rows, kept)])
+                keys = torch.cat([kept_columns(i, w, layer, 0) for i, w in zip(rows, kept)])
+                values = torch.cat([kept_columns(i, w, layer, 1) for i, w in zip(rows, kept)])
                 cache.update(keys, values, layer)
-            self.stats["prefix_hits"] += len(group)
+            self.stats["prefix_hits"] += sum(1 for g in group if g[1])
             self.stats["prefix_tokens"] += sum(g[1] for g in group)
         logits, cache = self._forward(ids, mask, pos, cache)
         zero_padding(cache, mask)

@@ -480,6 +480,23 @@ def test_next_turn_is_prefilled_on_the_kept_keys_and_values(tiny_model_dir, tiny
     assert [o.token_ids for o in second] == [o.token_ids for o in second0]
 
 
+def test_next_turns_and_new_prompts_arriving_together_share_one_prefill(tiny_model_dir, tiny_model, prompts):
+    """Rows back from a tool (kept keys/values) and fresh prompts admitted in the same step go through
+    the model in one forward, and every log-prob still equals an unpadded forward of its context."""
+    eng = HFEngine(tiny_model_dir)
+    first = run(gen_all(eng, prompts[:2], SamplingParams(max_tokens=6, temperature=0.0)))
+    before = dict(eng.stats)
+    mixed = [p + o.token_ids + [17, 42, 99] for p, o in zip(prompts[:2], first)] + [prompts[2], prompts[3]]
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i) for i in range(len(mixed))]
+    outs = run(gen_all(eng, mixed, params))
+    assert eng.stats["prefills"] - before["prefills"] == 1
+    assert eng.stats["prefix_hits"] - before["prefix_hits"] == 2
+    for prompt, out in zip(mixed, outs):
+        ref = teacher_forced(tiny_model, prompt, out.token_ids, 0.8)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    run(eng.close())
+
+
 def test_samples_of_one_prompt_are_prefilled_once(tiny_model_dir, tiny_model, prompts):
     """n samples of one prompt arriving together: the prompt goes through the model once, every
     sample's log-probs still equal an unpadded forward, and greedy samples are all alike."""
