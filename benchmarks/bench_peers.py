@@ -463,6 +463,14 @@ def ours_worker(stats_path: Path, overrides: list[str]) -> int:
         timed("_decode", "decode_s", "decode_steps")
         timed("_prefill", "prefill_s", "prefills")
         timed("_accept", "sample_s")
+        close = HFEngine.close
+
+        async def close_noting_the_step(self):  # which decode step ran, and its compile's seconds
+            stats["decode_step"] = getattr(self, "decode_step", None)
+            stats["compile_s"] = getattr(self, "compile_s", None)
+            return await close(self)
+
+        HFEngine.close = close_noting_the_step
     from otb_tir.train import main as train_main
 
     try:
@@ -647,16 +655,26 @@ LABELS = {
     "trl": "TRL 1.16 GRPOTrainer",
     "trl_cb": "TRL 1.16 GRPOTrainer, continuous batching",
     "ours_torch_threads": "ours (TIR-OTB), engine steps on torch's threads (rollout.cpu_threads=0)",
+    "ours_compiled": "ours (TIR-OTB), compiled decode step (rollout.decode_step=compiled)",
+    "ours_model_step": "ours (TIR-OTB), the model's forward as decode step (rollout.decode_step=model)",
 }
 ESTIMATORS = {
     "ours": "tir_optimal_token_baseline",
     "ours_grpo": "grpo",
     "ours_torch_threads": "tir_optimal_token_baseline",
+    "ours_compiled": "tir_optimal_token_baseline",
+    "ours_model_step": "tir_optimal_token_baseline",
 }
-OURS_EXTRA = {"ours_torch_threads": ["rollout.cpu_threads=0"]}  # overrides of an A/B row
+OURS_EXTRA = {  # overrides of an A/B row
+    "ours_torch_threads": ["rollout.cpu_threads=0"],
+    "ours_compiled": ["rollout.decode_step=compiled"],
+    "ours_model_step": ["rollout.decode_step=model"],
+}
 TOOL_LOSS = {
     "ours": "no (response_mask = 0 on tool tokens)",
     "ours_torch_threads": "no (response_mask = 0 on tool tokens)",
+    "ours_compiled": "no (response_mask = 0 on tool tokens)",
+    "ours_model_step": "no (response_mask = 0 on tool tokens)",
     "ours_grpo": "no (response_mask = 0 on tool tokens)",
     "trl": "no (TRL's tool_mask = 0 on tool-result tokens)",
     "trl_cb": "no (TRL's tool_mask = 0 on tool-result tokens)",
@@ -992,7 +1010,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma-separated of ours (TIR-OTB), ours_grpo (our trainer with GRPO, TRL's estimator), trl, "
         "trl_cb (TRL with transformers' continuous batching), ours_torch_threads (ours with the engine's steps "
-        "on torch's threads, rollout.cpu_threads=0); default ours,ours_grpo,trl (--quick: ours,trl)",
+        "on torch's threads, rollout.cpu_threads=0), ours_compiled (rollout.decode_step=compiled), "
+        "ours_model_step (rollout.decode_step=model); default ours,ours_grpo,trl (--quick: ours,trl)",
     )
     p.add_argument("--model-path", default=None, help="warm start folder (default: the recipe's built-in one)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_peers")
@@ -1059,6 +1078,13 @@ def main(argv: list[str] | None = None) -> int:
                     else f"step {_f(fig['step_s'])} s, {_f(fig['samples_per_s'])} samples/s, "
                     f"peak RSS {_f(fig['peak_rss_mb'], '.0f')} MB, held-out after {_f(r.get('accuracy'))}, "
                     f"wall {r['wall_s']:.0f} s"
+                    + (
+                        f" (decode step {r['engine']['decode_step']}"
+                        + (f", compiled in {r['engine']['compile_s']:.1f} s" if r["engine"].get("compile_s") else "")
+                        + ")"
+                        if (r.get("engine") or {}).get("decode_step")
+                        else ""
+                    )
                 ),
                 flush=True,
             )
