@@ -1052,6 +1052,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_peers {time.strftime('%Y-%m-%d %H:%M')}: {s}", flush=True)
     model_path = resolve_model(a.model_path)
     print(f"# warm start: {model_path}", flush=True)
+    from otb_tir.machine import speed_reference
+
+    print(f"# speed reference before the runs: {speed_reference()['matmul_gflops']:.0f} GFLOP/s", flush=True)
     before = evaluate(model_path, s, out / "eval", "before")
     print(f"# held-out before: {_f(before['accuracy'])} ({s.eval_size} problems, greedy)", flush=True)
 
@@ -1153,6 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.time() - t0,
     }
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"# speed reference after the runs: {speed_reference()['matmul_gflops']:.0f} GFLOP/s")
     print(f"\nresults: {out / 'results.json'} (total wall {time.time() - t0:.0f} s)")
     failed = [r for rs in runs.values() for r in rs if r.get("error")]
     return 1 if failed and len(failed) == sum(len(rs) for rs in runs.values()) else 0

