@@ -75,8 +75,9 @@ def slack_layer_class() -> type:
                 views, bufs = self._views, self._bufs  # set together: views of bufs' first columns
                 ours = views is not None and views[0] is self.keys and views[1] is self.values
                 if not ours or bufs[0].shape[-2] < t + n:
+                    # zeros, not empty: the free columns are masked, and 0 × NaN would still be NaN
                     bufs = tuple(
-                        old.new_empty((*old.shape[:-2], t + n + SLACK_COLUMNS, old.shape[-1]))
+                        old.new_zeros((*old.shape[:-2], t + n + SLACK_COLUMNS, old.shape[-1]))
                         for old in (self.keys, self.values)
                     )
                     bufs[0][..., :t, :].copy_(self.keys)

@@ -253,12 +253,16 @@ class FusedDecoder:
         ``eager``: the eager step even when compiled (the probe)."""
         t = mask.shape[1] - 1
         bufs = [layer.reserve(1) for layer in layers]
-        if any(filled != t for _, _, filled in bufs):
+        keys, values = [k for k, _, _ in bufs], [v for _, v, _ in bufs]
+        cap = keys[0].shape[-2]
+        if any(filled != t for _, _, filled in bufs) or any(k.shape[-2] != cap for k in keys):
             raise EngineError("the running batch's KV layers and its mask disagree on the width")
-        keys = [k[..., : t + 1, :] for k, _, _ in bufs]
-        values = [v[..., : t + 1, :] for _, v, _ in bufs]
-        dtype = keys[0].dtype
-        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, float("-inf"))
+        # The whole buffers go in (their columns past this token's masked out), not views of the filled
+        # columns: a view's strides would change with the buffer's capacity, and compiled code guards
+        # on them (recompiling every time the buffers grow).
+        full = mask.new_zeros((mask.shape[0], cap))
+        full[:, : t + 1] = mask
+        bias = torch.zeros(full.shape, dtype=keys[0].dtype, device=mask.device).masked_fill_(full == 0, float("-inf"))
         col = torch.tensor([t], device=mask.device)
         args = (ids, pos, col, bias, keys, values, *self.weights())
         if eager or ids.shape[0] < 2:  # compiled code is traced for 2+ rows (torch specializes on 1)
