@@ -179,8 +179,7 @@ def time_bare_fused(model, prompts: torch.Tensor, new: int, compiled: bool) -> t
     timed after a warm-up that compiles it; returns (seconds, compile seconds)."""
     from transformers import DynamicCache
 
-    from agent_env.engines.hf import cache_kwargs, returned_cache
-    from agent_env.engines.hf_batch import cache_layers, with_slack
+    from agent_env.engines.hf_batch import cache_kwargs, cache_layers, returned_cache, with_slack
     from agent_env.engines.hf_decode import FusedDecoder
 
     dec = FusedDecoder(model, compiled=compiled, probe=False)

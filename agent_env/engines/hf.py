@@ -44,7 +44,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams
-from agent_env.engines.hf_batch import PrefixCache, RunningBatch, cache_layers, with_slack
+from agent_env.engines.hf_batch import PrefixCache, RunningBatch, cache_kwargs, cache_layers, returned_cache, with_slack
 from agent_env.engines.hf_sampling import Request, make_request, sample
 
 logger = logging.getLogger(__name__)
@@ -53,28 +53,6 @@ __all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "HFEngine"]
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 INLINE_YIELDS = 8  # event-loop iterations between two steps run on the loop's thread
-
-
-def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
-    """The KV cache argument of ``model``'s forward under the installed transformers: ``cache`` where
-    its forward takes it (transformers >= 5.2x; ``past_key_values`` is deprecated there, to go in
-    5.40), ``past_key_values`` before."""
-    forward = type(model).forward
-    name = _CACHE_ARG.get(forward)
-    if name is None:
-        import inspect
-
-        name = _CACHE_ARG[forward] = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-    return {name: cache}
-
-
-def returned_cache(out: Any) -> Any:
-    """The KV cache a forward returned (``out.cache``, or ``out.past_key_values`` before)."""
-    cache = out.get("cache") if hasattr(out, "get") else None
-    return cache if cache is not None else out.past_key_values
-
-
-_CACHE_ARG: dict[Any, str] = {}
 
 
 class HFEngine(RunningBatch):

@@ -30,6 +30,28 @@ from agent_env.engines.hf_sampling import Request
 SLACK_COLUMNS = 64  # free columns a running batch's keys/values get past its last one (SlackLayer)
 
 
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The KV cache argument of ``model``'s forward under the installed transformers: ``cache`` where
+    its forward takes it (transformers >= 5.2x; ``past_key_values`` is deprecated there, to go in
+    5.40), ``past_key_values`` before."""
+    forward = type(model).forward
+    name = _CACHE_ARG.get(forward)
+    if name is None:
+        import inspect
+
+        name = _CACHE_ARG[forward] = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def returned_cache(out: Any) -> Any:
+    """The KV cache a forward returned (``out.cache``, or ``out.past_key_values`` before)."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
+
+
+_CACHE_ARG: dict[Any, str] = {}
+
+
 def cache_layers(cache) -> list:
     layers = getattr(cache, "layers", None)
     if layers is None:

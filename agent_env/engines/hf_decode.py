@@ -289,8 +289,7 @@ class FusedDecoder:
         Returns the largest difference."""
         from transformers import DynamicCache
 
-        from agent_env.engines.hf import cache_kwargs, returned_cache
-        from agent_env.engines.hf_batch import cache_layers, with_slack
+        from agent_env.engines.hf_batch import cache_kwargs, cache_layers, returned_cache, with_slack
 
         model = self.model
         dev = next(model.parameters()).device
