@@ -106,3 +106,62 @@ def test_a_compile_that_fails_runs_the_eager_step_and_says_so(tiny_model_factory
     assert len(out.token_ids) == 5
     assert eng.decode_step == "fused" and "no C++ compiler here" in (eng.compile_error or "")
     assert "no C++ compiler here" in caplog.text
+
+
+def _tiny(kind: str):
+    """A random model of each family the fused step claims (seeded; nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+    )
+    if kind == "qwen2":  # q/k/v projections with a bias, no q/k norms
+        model = Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    else:
+        model = None
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    if model is None:
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope, mlp_bias=True, attention_bias=True)).eval()
+    with torch.no_grad():  # biases and norm weights start at 0 and 1: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_the_other_families_it_claims_decode_as_their_forward_does(kind):
+    """Qwen2 (q/k/v biases) and Llama (llama3 rope scaling, biases everywhere): same tokens and
+    log-probs to 1e-5 as the model's own forward, through the engine."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (4, 11, 23)]
+    outs = {}
+    for name in ("model", "fused"):
+        model = _tiny(kind)
+        assert unsupported(model) is None
+        eng = HFEngine(model, share_weights=True, decode_step=name, seed=5, stop_at_eos=False)
+        assert eng.decode_step == name
+
+        async def go(eng=eng):
+            return await asyncio.gather(
+                *(eng.generate(p, SamplingParams(max_tokens=20, temperature=1.0)) for p in prompts)
+            )
+
+        outs[name] = asyncio.run(go())
+    assert [o.token_ids for o in outs["fused"]] == [o.token_ids for o in outs["model"]]
+    gap = max(abs(a - b) for x, y in zip(outs["model"], outs["fused"]) for a, b in zip(x.logprobs, y.logprobs))
+    assert gap <= 1e-5, gap
