@@ -6,15 +6,17 @@ building, one small matrix product per projection, output dataclasses. :class:`F
 same arithmetic from the model's own weights in one function: the query/key/value and gate/up
 projections each in one matrix product (their weights concatenated once per weight version), the
 token's keys/values written in place into the running batch's KV buffers
-(:func:`agent_env.engines.hf_batch.slack_layer_class`), attention over the filled columns as two
-batched products, no cache objects. ``compiled=True`` puts it through ``torch.compile`` (inductor,
+(:func:`agent_env.engines.hf_batch.slack_layer_class`), attention as two batched products over
+the whole buffers with the columns past the token masked (so their shapes change only when they
+grow, every 64 columns), no cache objects. ``compiled=True`` puts it through ``torch.compile`` (inductor,
 shapes dynamic so rows joining and leaving and the growing width do not recompile); the first call
 compiles (its seconds are in :attr:`FusedDecoder.compile_s`), torch keeps the result in its on-disk
 cache for the next process.
 
-Measured (``benchmarks/bench_engine_decode.py``, docs/results.md): the built-in policy, 16 rows,
-~100 columns, one thread: the model's forward 7.1 ms a step, this step 3.2 ms eager, 1.8 ms compiled
-(compiling took 19 s the first time, 4.4 s from torch's cache).
+Measured on 2 cores: the built-in policy's forward alone, 16 rows, ~100 columns, one thread: the
+model's 7.1 ms, this step's 3.2 ms eager, 1.8 ms compiled (compiling took 19 s the first time, 4.4 s
+from torch's cache); the engine's whole decode step (``benchmarks/bench_engine_decode.py``, recorded
+in docs/results.md): 7.8 ms with the model's forward, 6.4 fused, 4.2 compiled.
 
 Which models: :func:`unsupported` says why a model is not one it reproduces (the checks are on the
 modules, not only the name: Qwen2, Qwen3 and Llama layers, SiLU MLP, RMS norms, a rotary embedding
