@@ -66,14 +66,13 @@ def _run(cfg, info, reward_fn, setup) -> dict[str, Any]:
 
 
 def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, out: Path) -> dict[str, Any]:
+    from agent_env.rollout import run_sync
     from otb_tir.machine import cpu_kernels
     from otb_tir.metrics import summary_figures
     from otb_tir.trainer.distributed import barrier, broadcast_object
     from otb_tir.trainer.parts import build_parts, trainer_settings
     from otb_tir.trainer.timing import format_step_time, step_time_summary
     from otb_tir.trainer.trainer import Trainer
-
-    from agent_env.rollout import run_sync
 
     rank, world = info.rank, info.world_size
     parts = build_parts(cfg, tools, info, device, reward_fn)
