@@ -44,7 +44,15 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams
-from agent_env.engines.hf_batch import PrefixCache, RunningBatch, cache_kwargs, cache_layers, returned_cache, with_slack
+from agent_env.engines.hf_batch import (
+    PrefixCache,
+    RunningBatch,
+    cache_kwargs,
+    cache_layers,
+    returned_cache,
+    weights_signature,
+    with_slack,
+)
 from agent_env.engines.hf_sampling import Request, make_request, sample
 
 logger = logging.getLogger(__name__)
@@ -170,7 +178,8 @@ class HFEngine(RunningBatch):
         self.cpu_threads = cpu_threads if self.device.type == "cpu" and not self.worker_thread else 0
         self._threads_before: int | None = None  # torch's setting while the engine's own is in force
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self._params = list(model.parameters())  # the weights' in-place versions say when they changed
+        # taken once: walking the modules for every signature cost ~10 ms a training step
+        self._params = list(model.parameters())
         self._eos_ids: frozenset[int] = frozenset(self._collect_eos_ids() if stop_at_eos else ())
         self._seed_rng = random.Random(seed) if seed is not None else None
         self._lock = threading.Lock()  # one compute step or weight update at a time
@@ -195,10 +204,6 @@ class HFEngine(RunningBatch):
             "prefill_rows_shared": 0,  # rows copied from a row with the same tokens in their prefill
         }
         self._decoder = self._build_decoder(decode_step)
-        # which decode step runs: "model" | "fused" | "compiled"; the first compile's seconds; why it failed
-        self.decode_step = "model" if self._decoder is None else ("compiled" if self._decoder.compiled else "fused")
-        self.compile_s: float | None = None
-        self.compile_error: str | None = self._decoder.compile_error if self._decoder is not None else None
 
     # ------------------------------------------------------------------ public API
 
@@ -260,6 +265,23 @@ class HFEngine(RunningBatch):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def decode_step(self) -> str:
+        """Which decode step runs: ``"model"``, ``"fused"`` or ``"compiled"`` (``"fused"`` after a failed compile)."""
+        if self._decoder is None:
+            return "model"
+        return "compiled" if self._decoder.compiled else "fused"
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds the compiled step's first call took (None before it, or when nothing compiles)."""
+        return None if self._decoder is None else self._decoder.compile_s
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why ``torch.compile`` failed, if it did (the eager step ran instead)."""
+        return None if self._decoder is None else self._decoder.compile_error
 
     def _build_decoder(self, decode_step: str):
         from agent_env.engines.hf_decode import FusedDecoder, unsupported
@@ -405,12 +427,7 @@ class HFEngine(RunningBatch):
         """The running batch's logits for its next tokens (``mask``: the cached columns and theirs)."""
         assert self._next is not None and self._pos is not None
         if self._decoder is not None:
-            logits = self._decoder.step(self._next, self._pos, mask, cache_layers(self._cache))
-            if self._decoder.compile_s is not None and self.compile_s is None:
-                self.compile_s = self._decoder.compile_s
-                self.compile_error = self._decoder.compile_error
-                self.decode_step = "compiled" if self._decoder.compiled else "fused"
-            return logits
+            return self._decoder.step(self._next, self._pos, mask, cache_layers(self._cache))
         logits, self._cache = self._forward(self._next[:, None], mask, self._pos[:, None], self._cache)
         return logits
 
@@ -425,10 +442,9 @@ class HFEngine(RunningBatch):
         self.stats["decoded_rows"] += b
         return self._accept(self._active, logits, rows=range(b))
 
-    def _weights_signature(self) -> int:
-        # in-place changes (an optimizer step on shared weights, update_weights' copies) bump these;
-        # the parameter list is taken once (walking the modules each time cost ~10 ms a training step)
-        return sum(p._version for p in self._params)
+    def _weights_signature(self) -> tuple:
+        # in-place changes (an optimizer step on shared weights, update_weights' copies) bump these
+        return weights_signature(self._params)
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, rows: range) -> list[int]:
         """Sample one token per row, record it, set it as the row's next input; return finished rows."""

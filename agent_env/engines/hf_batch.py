@@ -52,6 +52,14 @@ def returned_cache(out: Any) -> Any:
 _CACHE_ARG: dict[Any, str] = {}
 
 
+def weights_signature(params: list[torch.Tensor]) -> tuple:
+    """What changes when any of ``params`` does: each one's storage and in-place version counter (an
+    optimizer step on shared weights, ``update_weights``' copies and ``.data`` swaps all show). Take
+    the list once (``list(model.parameters())``): walking the modules each time cost 0.6 ms of a
+    3.4 ms decode step in a training run."""
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
 def cache_layers(cache) -> list:
     layers = getattr(cache, "layers", None)
     if layers is None:
