@@ -657,6 +657,7 @@ LABELS = {
     "ours_torch_threads": "ours (TIR-OTB), engine steps on torch's threads (rollout.cpu_threads=0)",
     "ours_compiled": "ours (TIR-OTB), compiled decode step (rollout.decode_step=compiled)",
     "ours_model_step": "ours (TIR-OTB), the model's forward as decode step (rollout.decode_step=model)",
+    "ours_padded": "ours (TIR-OTB), rows padded through the update, not packed (actor.pack_rows=false)",
 }
 ESTIMATORS = {
     "ours": "tir_optimal_token_baseline",
@@ -664,17 +665,20 @@ ESTIMATORS = {
     "ours_torch_threads": "tir_optimal_token_baseline",
     "ours_compiled": "tir_optimal_token_baseline",
     "ours_model_step": "tir_optimal_token_baseline",
+    "ours_padded": "tir_optimal_token_baseline",
 }
 OURS_EXTRA = {  # overrides of an A/B row
     "ours_torch_threads": ["rollout.cpu_threads=0"],
     "ours_compiled": ["rollout.decode_step=compiled"],
     "ours_model_step": ["rollout.decode_step=model"],
+    "ours_padded": ["actor.pack_rows=false"],
 }
 TOOL_LOSS = {
     "ours": "no (response_mask = 0 on tool tokens)",
     "ours_torch_threads": "no (response_mask = 0 on tool tokens)",
     "ours_compiled": "no (response_mask = 0 on tool tokens)",
     "ours_model_step": "no (response_mask = 0 on tool tokens)",
+    "ours_padded": "no (response_mask = 0 on tool tokens)",
     "ours_grpo": "no (response_mask = 0 on tool tokens)",
     "trl": "no (TRL's tool_mask = 0 on tool-result tokens)",
     "trl_cb": "no (TRL's tool_mask = 0 on tool-result tokens)",
@@ -1011,7 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated of ours (TIR-OTB), ours_grpo (our trainer with GRPO, TRL's estimator), trl, "
         "trl_cb (TRL with transformers' continuous batching), ours_torch_threads (ours with the engine's steps "
         "on torch's threads, rollout.cpu_threads=0), ours_compiled (rollout.decode_step=compiled), "
-        "ours_model_step (rollout.decode_step=model); default ours,ours_grpo,trl (--quick: ours,trl)",
+        "ours_model_step (rollout.decode_step=model), ours_padded (actor.pack_rows=false); "
+        "default ours,ours_grpo,trl (--quick: ours,trl)",
     )
     p.add_argument("--model-path", default=None, help="warm start folder (default: the recipe's built-in one)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_peers")

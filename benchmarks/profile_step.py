@@ -9,7 +9,7 @@ recipe saves them) and reads what the run wrote: the ``timing/*`` phases of ever
 ``metrics.jsonl`` and the loop totals in ``summary.json`` (``timing``). Prints, per phase, the
 mean seconds per step and the share of the training loop, the seconds no timer saw, and tokens
 per second for the rollout (sampled tokens) and the update (prompt + response tokens through
-forward and backward), with the share of padding in the actor's batches. The first step is
+forward and backward), with the share of padding in the columns the actor's forwards ran. The first step is
 reported apart: it pays one-time costs (sandbox workers, allocator warm-up).
 
 The phases are disjoint and cover the loop (``otb_tir.trainer.timing.STEP_PHASES``): the rollout
@@ -94,8 +94,8 @@ def report(out: Path) -> str:
     )
     lines.append(
         f"update: {mean('perf/update_tokens_per_s'):.0f} tokens/s through forward + backward; "
-        f"padding is {100 * mean('perf/pad_frac'):.0f} % of the rollout batch (the actor trims the "
-        "columns that are padding in a whole micro-batch)"
+        f"padding is {100 * mean('perf/pad_frac'):.0f} % of the columns its forwards ran (rows packed, "
+        "actor.pack_rows; padded rows trimmed to the micro-batch's longest with actor.pack_rows=false)"
     )
     return "\n".join(lines)
 

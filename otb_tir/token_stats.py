@@ -10,7 +10,8 @@ works on chunks of tokens, so the extra memory is a few ``[chunk, V]`` buffers:
 - :func:`token_stats_from_hidden` — the same from the last hidden states and the LM-head weight,
   never materializing the ``[T, V]`` logits (forward *and* backward recompute the logits of one
   chunk at a time).
-- :func:`token_stats_for_causal_lm` — the helper the trainer calls on a transformers causal LM.
+- :func:`token_stats_for_causal_lm` — the helper the trainer calls on a transformers causal LM;
+  with ``packed=True`` its rows' tokens go through the model packed (:func:`pack_rows`), not padded.
 
 Maths, for one token with scaled logits ``z = logits / temperature`` and ``m = max z``,
 ``e = exp(z − m)``, ``s = Σ e``::
@@ -51,6 +52,8 @@ __all__ = [
     "token_stats_from_logits",
     "token_stats_from_hidden",
     "token_stats_for_causal_lm",
+    "PackedRows",
+    "pack_rows",
 ]
 
 #: Default size of one ``[chunk, V]`` float32 working buffer; the chunk (in tokens) is derived
@@ -250,6 +253,7 @@ def token_stats_for_causal_lm(
     temperature: float = 1.0,
     fused: bool = True,
     chunk: int | None = None,
+    packed: bool | PackedRows = False,
 ) -> TokenStats:
     """Token statistics of the response tokens of a transformers causal LM, ``[B, response_length]``.
 
@@ -261,6 +265,15 @@ def token_stats_for_causal_lm(
     response positions) and uses :func:`token_stats_from_logits`: whatever the model applies after
     its LM head (Gemma2's soft-capping, Cohere's and Granite's logit scaling) is applied. Models
     whose logits are not a plain linear map of the hidden state need ``fused=False``.
+
+    ``packed=True`` (with ``fused``): the rows' real tokens go through the backbone packed into as few
+    rows as fit (:func:`pack_rows`: ``attention_mask=None``, position ids restarting at each row's
+    start, from which transformers builds the block-diagonal causal mask, or flash-attention its
+    varlen call), instead of each row padded to the longest; the statistics come back in the same
+    ``[B, R]`` layout. Where the rows cannot be packed (a row's tokens not contiguous, position ids
+    not counting up by one inside a row) the padded forward runs. Whether a model honours packed
+    position ids is the caller's to check (the actor compares the two once per model). ``packed`` may
+    also be :func:`pack_rows`' result for these rows, used as it is.
     """
     if isinstance(response_length, bool) or not isinstance(response_length, int):
         raise ConfigError(f"response_length must be an int, got {response_length!r}")
@@ -296,15 +309,95 @@ def token_stats_for_causal_lm(
         labels = input_ids[:, input_ids.shape[1] - r :]
         return token_stats_from_logits(out.logits[:, :-1, :], labels, temperature, chunk)
     backbone = model.get_decoder()
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     labels = input_ids[:, input_ids.shape[1] - r :]
-    h = hidden[:, hidden.shape[1] - r - 1 : hidden.shape[1] - 1, :]
+    pack = packed if isinstance(packed, PackedRows) else None
+    if packed is True:
+        pack = pack_rows(input_ids, attention_mask, position_ids, r)
+    if pack is not None:
+        out = backbone(input_ids=pack.input_ids, attention_mask=None, position_ids=pack.position_ids, use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        h = hidden.reshape(-1, hidden.shape[-1])[pack.index]
+    else:
+        out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        h = hidden[:, hidden.shape[1] - r - 1 : hidden.shape[1] - 1, :]
     weight, bias = head.weight, getattr(head, "bias", None)
     weight, bias = _full(weight), _full(bias)
     if weight.dtype != h.dtype:  # e.g. an fp32 head under autocast: score as nn.Linear would
         h = h.to(weight.dtype)
     return token_stats_from_hidden(h, weight, labels, temperature, chunk, bias=bias)
+
+
+class PackedRows(NamedTuple):
+    """Rows packed for one forward (:func:`pack_rows`)."""
+
+    input_ids: torch.Tensor  # [N, L]: N packed rows of the input's width L
+    position_ids: torch.Tensor  # [N, L]: each original row's own position ids; 0 on the free tail
+    index: torch.Tensor  # [B, R]: where, in the flattened [N * L] hidden states, each label's predictor is
+    tokens: int  # N * L: the columns the packed forward runs
+
+
+def pack_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+) -> PackedRows | None:
+    """The real tokens of ``[B, L]`` left-padded prompt + right-padded response rows, packed first-fit
+    (longest first) into rows of width ``L``, for a forward with ``attention_mask=None`` and these
+    position ids: each row's tokens keep their position ids (counting up by one from the row's
+    start), so every place two rows meet, and every free column of the tail (position 0), starts a
+    new sequence (transformers' ``find_packed_sequence_indices``) and no token attends across it.
+
+    ``index`` maps the ``[B, R]`` response labels (the last ``R`` columns) to the flattened packed
+    hidden states that predict them; a label past a row's last token maps to that row's last token
+    (a finite value; its statistics are masked by the caller as on the padded path). ``None`` when the
+    rows cannot be packed that way: no mask, a row's tokens not one contiguous run, a row's position
+    ids not counting up by one, or a row with no token before its response.
+    """
+    if attention_mask is None or position_ids is None or position_ids.shape != input_ids.shape:
+        return None
+    b, width = input_ids.shape
+    real = attention_mask.bool()
+    lengths = real.sum(1)
+    cols = torch.arange(width, device=input_ids.device).expand(b, -1)
+    first = torch.where(real, cols, width).amin(1)
+    last = torch.where(real, cols, -1).amax(1)
+    p = width - response_length  # the first response column
+    if bool((lengths == 0).any()) or bool((last - first + 1 != lengths).any()) or bool((first >= p).any()):
+        return None
+    steps = torch.diff(position_ids, dim=1) == 1
+    if not bool((steps | ~(real[:, 1:] & real[:, :-1])).all()):
+        return None
+    lens, starts = lengths.tolist(), first.tolist()
+    bins: list[list[int]] = []  # rows per packed row
+    room: list[int] = []
+    for i in sorted(range(b), key=lambda i: -lens[i]):
+        j = next((j for j, free in enumerate(room) if free >= lens[i]), None)
+        if j is None:
+            bins.append([])
+            room.append(width)
+            j = len(bins) - 1
+        bins[j].append(i)
+        room[j] -= lens[i]
+    ids = input_ids.new_zeros((len(bins), width))
+    pos = position_ids.new_zeros((len(bins), width))
+    offset = [0] * b  # where row i's first token lands in the flattened packed rows
+    for j, rows in enumerate(bins):
+        at = 0
+        for i in rows:
+            n, s0 = lens[i], starts[i]
+            if at and int(position_ids[i, s0]) - int(pos[j, at - 1]) == 1:
+                return None  # the two rows' positions would read as one sequence
+            ids[j, at : at + n] = input_ids[i, s0 : s0 + n]
+            pos[j, at : at + n] = position_ids[i, s0 : s0 + n]
+            offset[i] = j * width + at
+            at += n
+    # the label in column p + t is predicted by the hidden state of column p + t - 1 of its row
+    k = torch.arange(p - 1, width - 1, device=input_ids.device)[None, :] - first[:, None]
+    k = torch.minimum(k, (lengths - 1)[:, None])
+    index = torch.tensor(offset, device=input_ids.device)[:, None] + k
+    return PackedRows(ids, pos, index, len(bins) * width)
 
 
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,15 +8,19 @@ multiplied by the world size, so FSDP's gradient averaging yields the exact toke
 from __future__ import annotations
 
 import contextlib
+import logging
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from otb_tir.token_stats import TokenStats, chunk_at_most, token_stats_for_causal_lm
+from otb_tir.token_stats import TokenStats, chunk_at_most, pack_rows, token_stats_for_causal_lm
 from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import ppo_policy_loss
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class ActorSettings:
     kl_loss_coef: float = 0.0  # 0 = no KL loss (the config's kl_loss_coef applies when actor.use_kl_loss)
     entropy_coeff: float = 0.0
     reuse_update_forward: bool = True  # on-policy steps: old stats from the update's forward (one_forward_applies)
+    pack_rows: bool = True  # rows' tokens packed through the forward, not padded (checked once per model)
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on devices that support it
 
 
@@ -67,10 +72,14 @@ def trim_padding(attention_mask: torch.Tensor, response_length: int) -> tuple[in
     return lo, hi
 
 
-def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, grad: bool) -> TokenStats:
+def _stats(
+    model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, grad: bool, sums: _Sums | None = None
+) -> TokenStats:
     """Token statistics of micro-batch ``rows``, ``[b, R]`` each. The forward runs on the columns
-    that hold a token of some row (see :func:`trim_padding`); causal attention makes the trimmed
-    columns irrelevant to the others, and the stats of the trimmed response columns are 0."""
+    that hold a token of some row (see :func:`trim_padding`), or on the rows' tokens packed
+    (``s.pack_rows``, :func:`packing_agrees`); causal attention makes the trimmed columns irrelevant
+    to the others, and the stats of the trimmed response columns are 0. ``sums``: counts the
+    columns the forward ran (``actor/forward_tokens``)."""
     resp_len = batch["responses"].shape[1]
     device = next(model.parameters()).device
     attn = batch["attention_mask"][rows]
@@ -88,10 +97,55 @@ def _stats(model, batch: dict, rows: slice | torch.Tensor, s: ActorSettings, gra
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
             st = TokenStats(*model(*args, **kw))
         else:
-            st = token_stats_for_causal_lm(model, *args, **kw)
+            pack = None
+            if s.pack_rows and s.fused_token_stats and packing_agrees(model, args, kw):
+                pack = pack_rows(*args, r)
+            st = token_stats_for_causal_lm(model, *args, **kw, packed=pack or False)
+    if sums is not None:
+        sums.forward_tokens += pack.tokens if pack is not None else args[0].numel()
     if r == resp_len:
         return st
     return TokenStats(*(torch.nn.functional.pad(t, (0, resp_len - r)) for t in st))
+
+
+_PACKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> does packing agree with padding
+
+
+def packing_agrees(model, args: tuple, kw: dict) -> bool:
+    """Whether ``model`` computes the same statistics on packed rows as on padded ones, checked once
+    per model on the first micro-batch it sees (both forwards without gradient; log-probs of the real
+    response tokens within 1e-4 in float32, 5e-2 in lower precision). Packing relies on the model
+    building its attention mask from restarting position ids (transformers' masking utilities, or
+    flash-attention's varlen call); a model that does not would let rows attend to each other. On a
+    mismatch the padded forward runs from then on (the same results, slower), with a warning naming the gap."""
+    ok = _PACKING.get(model)
+    if ok is not None:
+        return ok
+    input_ids, attention_mask, position_ids = args
+    r = kw["response_length"]
+    if r == 0 or pack_rows(input_ids, attention_mask, position_ids, r) is None:
+        return False  # nothing to compare on this micro-batch: ask again on the next
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards must see the same function
+    try:
+        with torch.no_grad():
+            padded = token_stats_for_causal_lm(model, *args, **kw, packed=False).log_probs.float()
+            packed = token_stats_for_causal_lm(model, *args, **kw, packed=True).log_probs.float()
+    finally:
+        model.train(was_training)
+    real = attention_mask[:, attention_mask.shape[1] - r :].bool()
+    gap = float((padded - packed).abs()[real].max()) if bool(real.any()) else 0.0
+    low = next(model.parameters()).dtype != torch.float32 or torch.is_autocast_enabled(input_ids.device.type)
+    ok = gap <= (5e-2 if low else 1e-4)
+    if not ok:
+        logger.warning(
+            "%s: log-probs of packed rows differ from padded rows by %.3g (it does not keep packed rows "
+            "apart); the actor runs padded rows (actor.pack_rows=false skips this check)",
+            type(model).__name__,
+            gap,
+        )
+    _PACKING[model] = ok
+    return ok
 
 
 def by_length(batch: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -142,6 +196,7 @@ class _Sums:
         self.means = {"actor/clip_frac": 0.0, "actor/ppo_kl": 0.0}
         self.grad_norm = 0.0
         self.n_micro = 0
+        self.forward_tokens = 0  # columns through the update's forwards, padding included (this rank)
 
     def micro_backward(
         self,
@@ -207,6 +262,7 @@ class _Sums:
             # a rank's summed loss terms are world × its share of the global token-mean (num_tokens / world)
             metrics[k] = float(vals[i]) / world / n_mini if k in self.loss else float(vals[i]) / total_micro
         metrics["actor/grad_norm"] = self.grad_norm / n_mini
+        metrics["actor/forward_tokens"] = float(self.forward_tokens)
         return metrics
 
 
@@ -241,7 +297,7 @@ def ppo_update(
             if sync is not None:
                 sync(j == starts[-1])
             mrows = rows[j : j + s.ppo_micro_batch_size]
-            st = _stats(model, batch, mrows, s, grad=True)
+            st = _stats(model, batch, mrows, s, grad=True, sums=sums)
             sums.micro_backward(st, batch, mrows, s, ref_log_probs, num_tokens, world, device)
         sums.optimizer_step(model, optimizer, s)
     return sums.metrics(len(mini_batches), world, device)
@@ -281,7 +337,7 @@ def on_policy_update(
     sync = getattr(model, "set_requires_gradient_sync", None)
     if sync is not None:
         sync(True)
-    st = _stats(model, batch, rows, s, grad=True)
+    st = _stats(model, batch, rows, s, grad=True, sums=sums)
     mask = batch["response_mask"].float()
     batch["old_log_probs"] = st.log_probs.detach().float().cpu() * mask
     batch["entropy"] = st.entropy.detach().float().cpu() * mask

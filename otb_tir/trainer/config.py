@@ -121,6 +121,9 @@ class ActorConfig:
     # local trainer: when a step is exactly on-policy (ppo_epochs 1, one mini-batch, a rank's rows in one
     # micro-batch), take the old log-probs and Σπ² from the update's own forward instead of a second pass
     reuse_update_forward: bool = True
+    # local trainer: the rows' tokens go through the actor's forward packed into as few rows as fit (no
+    # padding), not each padded to the longest; checked once per model against the padded forward
+    pack_rows: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

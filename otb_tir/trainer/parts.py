@@ -103,6 +103,7 @@ def actor_settings(cfg, autocast_dtype: torch.dtype | None = None) -> ActorSetti
         kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
         entropy_coeff=a.entropy_coeff,
         reuse_update_forward=a.reuse_update_forward,
+        pack_rows=a.pack_rows,
         autocast_dtype=autocast_dtype,
     )
 

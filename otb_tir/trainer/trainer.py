@@ -268,10 +268,11 @@ class Trainer:
             # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)
             metrics["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
             metrics["rollout/tool_tokens"] = float(sum(len(t.response_ids) - sum(t.response_mask) for t in trajs))
-            # tokens through the actor's forward passes (prompt + response, padding excluded), all ranks
+            # tokens through the actor's forward passes (prompt + response, padding excluded), all ranks;
+            # pad_frac: the share of padding in the columns the update's forwards ran (trimmed or packed)
             real = float(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
-            padded = float(tensors["attention_mask"].numel() * self.world)
-            metrics["perf/pad_frac"] = 1.0 - real / padded if padded else 0.0
+            ran = actor_metrics.get("actor/forward_tokens", 0.0) * self.world / max(s.ppo_epochs, 1)
+            metrics["perf/pad_frac"] = max(1.0 - real / ran, 0.0) if ran else 0.0
             timing = timer.seconds
             metrics["perf/rollout_sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(
                 timing["timing/rollout_s"], 1e-9

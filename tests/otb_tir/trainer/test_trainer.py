@@ -240,6 +240,9 @@ def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_dir):
         inner = [k for k in STEP_PHASES if k not in rollout_parts and k != "timing/eval_s"]
         assert sum(m[k] for k in inner) + m["timing/rollout_s"] == pytest.approx(m["timing/step_s"], abs=1e-6)
         assert 0.0 <= m["perf/pad_frac"] < 1.0 and m["perf/update_tokens_per_s"] > 0
+        # the padding share is of the columns the update's forward ran (its own count), not of the batch
+        real = m["perf/update_tokens_per_s"] * m["timing/update_s"]
+        assert m["perf/pad_frac"] == pytest.approx(1.0 - real / m["actor/forward_tokens"], rel=1e-6)
         # the HF engine shares the actor's weights: its log-probs are the actor's up to batching noise
         assert m["training/rollout_probs_diff_valid"] == 1.0 and m["training/rollout_probs_diff_max"] < 1e-4
     # step 1's checkpoint was written after its row: its seconds are in row 2

@@ -1,0 +1,120 @@
+"""The actor's forward + backward on padded rows and on packed rows (``actor.pack_rows``), in one process.
+
+    .venv/bin/python benchmarks/bench_pack_rows.py                 # the built-in tiny policy, 16 rows
+    .venv/bin/python benchmarks/bench_pack_rows.py --shape small --rows 32 --width 512
+
+A micro-batch as the rollout lays it out (left-padded prompts, right-padded responses, trimmed to
+its longest row as the actor trims it) goes through :func:`otb_tir.token_stats.token_stats_for_causal_lm`
+and the backward of its log-probs, padded (``packed=False``) and packed (``packed=True``: the rows'
+tokens first-fit into rows of the micro-batch's width). Two length mixes:
+
+* ``even``: response lengths uniform over the budget (every row about as long as another: little
+  padding to remove, few rows fit beside one another);
+* ``long_tail``: one row at the budget, the others short (a few long answers among many short
+  ones, as RL batches often are: most of a padded batch is padding).
+
+Prints, per mix, the share of padding in the padded batch, the columns each way, the median seconds
+over ``--reps`` and the ratio padded / packed. The statistics are compared too (the largest
+difference of the log-probs on real tokens; the tests hold them to 2e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from otb_tir.token_stats import pack_rows, token_stats_for_causal_lm  # noqa: E402
+from otb_tir.trainer.actor import trim_padding  # noqa: E402
+
+
+def build(shape: str):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if shape == "tiny":
+        from otb_tir.defaults.tiny import tiny_policy_dir
+
+        return AutoModelForCausalLM.from_pretrained(tiny_policy_dir(), dtype=torch.float32)
+    torch.manual_seed(0)
+    h = 256
+    cfg = Qwen3Config(
+        hidden_size=h,
+        intermediate_size=3 * h,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=2125,
+        tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(cfg)
+
+
+def rows(mix: str, n: int, prompt: int, budget: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if mix == "even":
+        resp = torch.randint(budget // 8, budget + 1, (n,), generator=g)
+    else:
+        resp = torch.randint(4, max(budget // 6, 5), (n,), generator=g)
+        resp[0] = budget
+    plen = torch.randint(prompt // 2, prompt + 1, (n,), generator=g)
+    ids = torch.randint(1, vocab, (n, prompt + budget), generator=g)
+    mask = torch.zeros_like(ids)
+    for i in range(n):
+        mask[i, prompt - int(plen[i]) : prompt + int(resp[i])] = 1
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    lo, hi = trim_padding(mask, budget)  # as the actor trims a micro-batch
+    return (ids * mask)[:, lo:hi], mask[:, lo:hi], pos[:, lo:hi], budget - (prompt + budget - hi)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("tiny", "small"), default="tiny")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--width", type=int, default=192, help="the response budget (tokens)")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args(argv)
+    model = build(a.shape).train()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"{a.shape} policy ({params / 1e6:.1f}M parameters), {a.rows} rows, prompt <= {a.prompt}, "
+        f"response budget {a.width}, float32, {torch.get_num_threads()} torch threads, median of {a.reps}"
+    )
+    head = ("mix", "padding", "cols padded", "cols packed", "padded s", "packed s", "ratio")
+    print(f"{head[0]:<10} {head[1]:>8} {head[2]:>12} {head[3]:>12} {head[4]:>9} {head[5]:>9} {head[6]:>6}")
+    for mix in ("even", "long_tail"):
+        ids, mask, pos, r = rows(mix, a.rows, a.prompt, a.width, vocab, seed=1)
+        pk = pack_rows(ids, mask, pos, r)
+        assert pk is not None
+        real = mask[:, -r:].bool()
+        times: dict[bool, list[float]] = {False: [], True: []}
+        out = {}
+        for rep in range(a.reps + 1):  # the first of each is a warm-up
+            for packed in (False, True):
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                st = token_stats_for_causal_lm(model, ids, mask, pos, r, packed=packed)
+                (st.log_probs * real).sum().backward()
+                if rep:
+                    times[packed].append(time.perf_counter() - t0)
+                out[packed] = st.log_probs.detach()
+        gap = float((out[True] - out[False]).abs()[real].max())
+        pad, pck = statistics.median(times[False]), statistics.median(times[True])
+        padding = 1 - float(mask.sum()) / mask.numel()
+        print(
+            f"{mix:<10} {100 * padding:>7.0f}% {mask.numel():>12} {pk.tokens:>12} {pad:>9.3f} {pck:>9.3f} "
+            f"{pad / pck:>5.2f}x   (log-prob gap {gap:.1e})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
