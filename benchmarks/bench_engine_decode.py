@@ -6,12 +6,15 @@
     .venv/bin/python benchmarks/bench_engine_decode.py --busy 1 --shape medium   # one core kept busy
 
 The same ``--batch`` random prompts of ``--prompt`` tokens are decoded for exactly ``--new`` tokens
-(no stop) these ways, each timed after a warm-up:
+(no stop) these ways, each warmed up, then timed once a round for ``--reps`` rounds (median and
+[min, max]; the rounds interleave the paths, so a slow spell of the VM falls on all of them):
 
 * ``generate``: ``model.generate(do_sample=True, top_k=0, min_new_tokens=max_new_tokens)``, the
   reference;
 * ``bare``: a prefill, then one forward per token over a ``DynamicCache`` with the engine's call
-  (``logits_to_keep=1``) and ``torch.multinomial`` on the logits' device: the floor for a loop of
+  (``logits_to_keep=1``) and one inverse-CDF draw per row on the logits' device (:func:`draw`, the
+  engine's way to sample; ``torch.multinomial`` draws an exponential per vocabulary entry, ~1 ms a
+  step at batch 16 on this CPU, and made the floor that much slower until 2026-12-05): the floor for a loop of
   forwards in eager PyTorch;
 * ``bare_slack``: the same loop with the engine's KV layers, which write each step's keys/values
   into free columns instead of ``torch.cat``-ing the whole cache (``hf_batch.slack_layer_class``);
@@ -47,12 +50,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -94,6 +98,15 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     return model.to(device=device, dtype=dtype).eval()
 
 
+def draw(logits: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` ``[B, V]`` at temperature 1, ``[B, 1]``: a uniform per row
+    against the cumulative probabilities, as the engine samples (``hf_sampling.sample``, without its
+    per-row settings and generators)."""
+    cdf = logits.float().softmax(-1).cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
+
+
 def time_generate(model, prompts: torch.Tensor, new: int) -> float:
     mask = torch.ones_like(prompts)
     t0 = time.perf_counter()
@@ -133,7 +146,7 @@ def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main", slack
         out = model(
             input_ids=prompts, attention_mask=st["mask"], position_ids=pos, past_key_values=cache, logits_to_keep=1
         )
-        st["cache"], st["next"] = out.past_key_values, torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
+        st["cache"], st["next"] = out.past_key_values, draw(out.logits[:, -1])
 
     @torch.no_grad()
     def step(i: int) -> None:
@@ -148,7 +161,7 @@ def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main", slack
             use_cache=True,
             logits_to_keep=1,
         )
-        st["cache"], st["next"] = out.past_key_values, torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)
+        st["cache"], st["next"] = out.past_key_values, draw(out.logits[:, -1])
         st["next"].tolist()  # the engine needs each row's token on the host every step
 
     def loop() -> None:
@@ -174,9 +187,9 @@ def time_bare(model, prompts: torch.Tensor, new: int, where: str = "main", slack
     return time.perf_counter() - t0
 
 
-def time_bare_fused(model, prompts: torch.Tensor, new: int, compiled: bool) -> tuple[float, float | None]:
+def bare_fused_timer(model, prompts: torch.Tensor, compiled: bool) -> tuple[Callable[[int], float], float | None]:
     """The bare loop through the engine's written-out decode step (``compiled``: torch.compile'd),
-    timed after a warm-up that compiles it; returns (seconds, compile seconds)."""
+    built and warmed once (the compile); returns (a timer of ``new`` steps in seconds, compile seconds)."""
     from transformers import DynamicCache
 
     from agent_env.engines.hf_batch import cache_kwargs, cache_layers, returned_cache, with_slack
@@ -199,20 +212,23 @@ def time_bare_fused(model, prompts: torch.Tensor, new: int, compiled: bool) -> t
             **cache_kwargs(model, DynamicCache(config=model.config)),
         )
         cache = returned_cache(out)
-        nxt = torch.multinomial(out.logits[:, -1].float().softmax(-1), 1)[:, 0]
+        nxt = draw(out.logits[:, -1])[:, 0]
         for i in range(n - 1):
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long, device=dev)], dim=1)
             with_slack(cache)
             logits = dec.step(nxt, torch.full((b,), p + i, device=dev), mask, cache_layers(cache))
-            nxt = torch.multinomial(logits.softmax(-1), 1)[:, 0]
+            nxt = draw(logits)[:, 0]
             nxt.tolist()  # the engine needs each row's token on the host every step
 
-    loop(min(new, 8))  # warm-up (the compile)
-    _sync(dev)
-    t0 = time.perf_counter()
-    loop(new)
-    _sync(dev)
-    return time.perf_counter() - t0, dec.compile_s
+    def timer(new: int) -> float:
+        _sync(dev)
+        t0 = time.perf_counter()
+        loop(new)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    timer(8)  # warm-up (the compile)
+    return timer, dec.compile_s
 
 
 def time_engine(engine, prompts: torch.Tensor, new: int) -> tuple[float, dict[str, Any]]:
@@ -293,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--busy", type=int, default=0, help="other processes kept spinning during the timings")
+    p.add_argument("--reps", type=int, default=5, help="rounds of timings (every path once a round); medians")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -329,23 +346,31 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     warm = min(a.new, 8)
-    time_generate(model, prompts, warm), time_bare(model, prompts, warm), time_engine(engine, prompts, warm)
-    res["generate_s"] = time_generate(model, prompts, a.new)
-    res["bare_s"] = time_bare(model, prompts, a.new)
-    res["bare_slack_s"] = time_bare(model, prompts, a.new, slack=True)
-    res["bare_thread_s"] = time_bare(model, prompts, a.new, "thread")
-    res["bare_to_thread_s"] = time_bare(model, prompts, a.new, "to_thread")
-    paths = ["generate", "bare", "bare_slack", "bare_thread", "bare_to_thread"]
+    timers: dict[str, Callable[[], float]] = {
+        "generate": lambda: time_generate(model, prompts, a.new),
+        "bare": lambda: time_bare(model, prompts, a.new),
+        "bare_slack": lambda: time_bare(model, prompts, a.new, slack=True),
+        "bare_thread": lambda: time_bare(model, prompts, a.new, "thread"),
+        "bare_to_thread": lambda: time_bare(model, prompts, a.new, "to_thread"),
+    }
     if engine.decode_step != "model":
-        res["bare_fused_s"], _ = time_bare_fused(model, prompts, a.new, compiled=False)
-        res["bare_compiled_s"], res["bare_compile_s"] = time_bare_fused(model, prompts, a.new, compiled=True)
-        paths += ["bare_fused", "bare_compiled"]
-    res["engine_s"], res["engine_stats"] = time_engine(engine, prompts, a.new)
-    paths.append("engine")
-    for name, other in others.items():
-        time_engine(other, prompts, warm)  # warm-up (the compiled engine compiles here)
-        res[name + "_s"], _ = time_engine(other, prompts, a.new)
-        paths.append(name)
+        fused, _ = bare_fused_timer(model, prompts, compiled=False)
+        compiled, res["bare_compile_s"] = bare_fused_timer(model, prompts, compiled=True)
+        timers["bare_fused"] = lambda: fused(a.new)
+        timers["bare_compiled"] = lambda: compiled(a.new)
+    for name, eng in {"engine": engine, **others}.items():
+        time_engine(eng, prompts, warm)  # warm-up (the compiled engine compiles here)
+        timers[name] = lambda eng=eng: time_engine(eng, prompts, a.new)[0]
+    time_generate(model, prompts, warm), time_bare(model, prompts, warm)
+    # every path once per round, the rounds one after another: a slow spell of the VM falls on all paths
+    runs: dict[str, list[float]] = {k: [] for k in timers}
+    for _ in range(a.reps):
+        for k, timer in timers.items():
+            runs[k].append(timer())
+    paths = list(timers)
+    for k in paths:
+        res[k + "_s"] = statistics.median(runs[k])
+        res[k + "_runs_s"] = runs[k]
     if "engine_compiled" in others:
         res["engine_compile_s"] = others["engine_compiled"].compile_s
     res["engine_profile"] = profile_engine(engine, prompts, a.new)
@@ -355,25 +380,40 @@ def main(argv: list[str] | None = None) -> int:
         logits = model(input_ids=prompts, logits_to_keep=1).logits[:, -1].float()
     res["sampling"] = time_sampling(logits, reps=20)
     ms = {k: res[k + "_s"] / a.new * 1e3 for k in paths}
+    spread = {k: (min(runs[k]) / a.new * 1e3, max(runs[k]) / a.new * 1e3) for k in paths}
     res["ms_per_step"] = ms
     floor = ms.get("bare_compiled")
     res["floor"] = "bare_compiled" if floor else None
+    # each path's ratio to the floor within a round (the same spell of the VM), then over the rounds
+    ratios = {k: sorted(x / f for x, f in zip(runs[k], runs["bare_compiled"])) for k in paths} if floor else {}
+    res["vs_floor"] = {k: statistics.median(r) for k, r in ratios.items()}
+
+    def vs(k: str) -> str:
+        r = ratios[k]
+        return f"{statistics.median(r):.2f}x [{r[0]:.2f}, {r[-1]:.2f}]"
+
     print(
         f"{res['device']} (torch {res['torch']}), {shape} ({res['parameters'] / 1e6:.1f}M parameters) {dtype}, "
         f"batch {a.batch}, prompt {a.prompt}, {a.new} new tokens, {torch.get_num_threads()} torch threads "
         f"(the engine's steps: {engine.cpu_threads or torch.get_num_threads()}), "
         f"{a.busy} other process(es) spinning"
     )
-    print(f"{'path':<19} {'ms/step':>8} {'vs generate':>12}" + (f" {'vs floor':>9}" if floor else ""))
+    print(
+        f"median of {a.reps} rounds (every path once a round); [min, max] over the rounds; vs floor: the "
+        "median of the rounds' ratios to the floor's time in the same round [min, max]"
+    )
+    head = f"{'path':<19} {'ms/step':>8} {'[min, max]':>14} {'vs generate':>12}"
+    print(head + (f" {'vs floor':>22}" if floor else ""))
     for k, v in ms.items():
-        print(f"{k:<19} {v:8.2f} {v / ms['generate']:11.2f}x" + (f" {v / floor:8.2f}x" if floor else ""))
+        lo, hi = spread[k]
+        row = f"{k:<19} {v:8.2f} {f'[{lo:.2f}, {hi:.2f}]':>14} {v / ms['generate']:11.2f}x"
+        print(row + (f" {vs(k):>22}" if floor else ""))
     if floor:
         print(
             f"floor: bare_compiled (the fused step through torch.compile, compiled in {res['bare_compile_s']:.1f} s "
-            f"before timing); the engine's default ({engine.decode_step}) is {ms['engine'] / floor:.2f}x the floor"
+            f"before timing); the engine's default ({engine.decode_step}) is {vs('engine')} the floor"
             + (
-                f", the compiled engine {ms['engine_compiled'] / floor:.2f}x "
-                f"(compiled in {res['engine_compile_s']:.1f} s)"
+                f", the compiled engine {vs('engine_compiled')} (compiled in {res['engine_compile_s']:.1f} s)"
                 if "engine_compiled" in ms
                 else ""
             )

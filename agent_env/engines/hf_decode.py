@@ -82,6 +82,8 @@ def unsupported(model: Any) -> str | None:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # as transformers' Llama/Qwen RMSNorm: in float32, scaled by the weight in the input's dtype
+    if x.dtype == torch.float32:  # one kernel for the normalisation (the same values in float32)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -103,18 +105,20 @@ def _make_step(shape: dict[str, Any]) -> Callable:
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = (emb.cos() * scale_rope).to(h.dtype)[:, None, :]
         sin = (emb.sin() * scale_rope).to(h.dtype)[:, None, :]
-        for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), k_buf, v_buf in zip(
+        for (ln1, qkv_w, qkv_b, qk_norm_w, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), k_buf, v_buf in zip(
             layers, keys, values
         ):
             x = _rms(h, ln1, eps)
             if isinstance(qkv_w, tuple):  # unfused: q, k, v apart
                 q, k, v = (F.linear(x, w, bb) for w, bb in zip(qkv_w, qkv_b))
+                qk = torch.cat([q, k], dim=-1)
             else:
-                q, k, v = F.linear(x, qkv_w, qkv_b).split([hq * d, hkv * d, hkv * d], dim=-1)
-            q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+                qk, v = F.linear(x, qkv_w, qkv_b).split([(hq + hkv) * d, hkv * d], dim=-1)
+            # the query and key heads side by side: one norm (each head's own weight row) and one rotation
+            qk, v = qk.reshape(b, hq + hkv, d), v.view(b, hkv, d)
             if qk_norm:
-                q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+                qk = _rms(qk, qk_norm_w, eps)
+            q, k = rotate(qk, cos, sin).split([hq, hkv], dim=1)
             k_buf.index_copy_(2, col, k[:, :, None, :])
             v_buf.index_copy_(2, col, v[:, :, None, :])
             scores = (q.view(b, hkv, g, d) @ k_buf.transpose(-1, -2)) * scaling + bias[:, None, None, :]
@@ -203,15 +207,16 @@ class FusedDecoder:
             a, m = layer.self_attn, layer.mlp
             qkv_w, qkv_b = pair(a.q_proj, a.k_proj, a.v_proj)
             gu_w, gu_b = pair(m.gate_proj, m.up_proj)
-            q_norm = a.q_norm.weight if self.shape["qk_norm"] else None
-            k_norm = a.k_norm.weight if self.shape["qk_norm"] else None
+            qk_norm = None
+            if self.shape["qk_norm"]:  # a row per query head, then per key head: [hq + hkv, head_dim]
+                hq, hkv, d = self.shape["hq"], self.shape["hkv"], self.shape["head_dim"]
+                qk_norm = torch.cat([a.q_norm.weight.expand(hq, d), a.k_norm.weight.expand(hkv, d)]).detach()
             layers.append(
                 (
                     layer.input_layernorm.weight,
                     qkv_w,
                     qkv_b,
-                    q_norm,
-                    k_norm,
+                    qk_norm,
                     a.o_proj.weight,
                     a.o_proj.bias,
                     layer.post_attention_layernorm.weight,

@@ -125,8 +125,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     greedy = temps == 0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).to(dev)[:, None], dim=-1)
-    tokens = logp.argmax(dim=-1)
-    sample_rows = (~greedy).nonzero().flatten().tolist()
+    sample_rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    tokens = logp.argmax(dim=-1) if len(sample_rows) < b else None  # greedy rows' tokens (none: not needed)
     if sample_rows:
         sub = logp[sample_rows] if len(sample_rows) < b else logp
         u = torch.stack([torch.rand((), generator=generators[i], dtype=torch.float64) for i in sample_rows]).float()
@@ -145,10 +145,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             order, probs = None, sub.exp()
         cdf = probs.cumsum(dim=-1)
         target = (u.to(dev) * cdf[:, -1])[:, None]
-        choice = torch.searchsorted(cdf, target, right=True).flatten()
-        # Guard against float round-off at the top end: never pick a zero-probability token.
-        last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
-        choice = torch.minimum(choice, last_kept)
+        choice = torch.searchsorted(cdf, target, right=True).flatten().clamp_(max=v - 1)
+        # Guard against float round-off at the top end: never pick a zero-probability token. Only a
+        # draw past the last kept token can pick one (an inner zero's cdf equals its predecessor's,
+        # which searchsorted finds first), so on the CPU the guard runs only when one did.
+        if dev.type != "cpu" or bool((probs.gather(1, choice[:, None]) == 0).any()):
+            last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
+            choice = torch.minimum(choice, last_kept)
         picked = order.gather(1, choice[:, None]).flatten() if order is not None else choice
         if len(sample_rows) < b:
             tokens[sample_rows] = picked

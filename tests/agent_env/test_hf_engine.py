@@ -284,6 +284,20 @@ def test_sampler_matches_distribution():
         assert freq[~keep].sum() == 0
 
 
+def test_sampler_never_picks_a_zero_probability_token_at_the_top_of_the_cdf(monkeypatch):
+    """A draw of 1.0 (a float64 uniform just under 1 rounds to 1.0 in float32) lands past the last
+    token with probability > 0: masked tokens (-inf) at the end of the vocabulary, or the tail that
+    top-k / top-p cut. The sampler must pick the last kept token, on the CPU's lazy guard too."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k) * 0 + 1.0)
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, float("-inf"), float("-inf")]] * 3)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0)]
+    tokens, lps = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(3)])
+    # row 0: the last finite token; row 1: the second most likely (top_k=2); row 2: greedy
+    assert tokens.tolist() == [3, 2, 1]
+    assert torch.isfinite(lps).all()
+
+
 def test_sampler_leaves_the_logits_on_their_device():
     """The [B, V] logits are never copied to the host (on a GPU that copy cost 10 ms of a 90 ms
     decode step): only the sampled tokens and their log-probs leave the device, in the engine."""
