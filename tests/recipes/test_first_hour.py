@@ -137,7 +137,10 @@ def test_a_run_that_cannot_learn_says_so_at_each_step_and_at_the_end(user):
     assert all(r["train/zero_advantage_frac"] == 1.0 and r["reward/mean"] == 0.0 for r in steps)
     assert proc.stderr.count("every group's samples got the same reward") == 2
     assert "it learned nothing" in proc.stderr
-    assert json.loads((out / "summary.json").read_text())["steps_without_signal"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_without_signal"] == 2
+    # which decode step generated the rollouts (the built-in policy: the fused step, never compiled)
+    assert summary["engine"] == {"class": "HFEngine", "decode_step": "fused", "compile_s": None, "compile_error": None}
 
 
 def test_one_sample_per_prompt_with_a_group_baseline_is_refused(user):
