@@ -93,11 +93,11 @@ def _stats(
     lm = model.model if isinstance(model, TokenStatsModule) else model
     chunk = chunk_at_most(s.token_stats_chunk, lm.get_output_embeddings().weight.shape[0])
     kw = dict(response_length=r, temperature=s.temperature, fused=s.fused_token_stats, chunk=chunk)
+    pack = None  # FSDP2's root (TokenStatsModule) runs padded rows
     with _autocast(device, s.autocast_dtype):
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
             st = TokenStats(*model(*args, **kw))
         else:
-            pack = None
             if s.pack_rows and s.fused_token_stats and packing_agrees(model, args, kw):
                 pack = pack_rows(*args, r)
             st = token_stats_for_causal_lm(model, *args, **kw, packed=pack or False)
