@@ -35,25 +35,10 @@ from otb_tir.trainer.actor import trim_padding  # noqa: E402
 
 
 def build(shape: str):
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """The built-in tiny policy or bench_engine_decode's random ``small`` Qwen3 shape, float32 on the CPU."""
+    from bench_engine_decode import build_model  # this folder is on sys.path when run as a script
 
-    if shape == "tiny":
-        from otb_tir.defaults.tiny import tiny_policy_dir
-
-        return AutoModelForCausalLM.from_pretrained(tiny_policy_dir(), dtype=torch.float32)
-    torch.manual_seed(0)
-    h = 256
-    cfg = Qwen3Config(
-        hidden_size=h,
-        intermediate_size=3 * h,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=2125,
-        tie_word_embeddings=True,
-    )
-    return Qwen3ForCausalLM(cfg)
+    return build_model(shape, torch.device("cpu"), torch.float32)
 
 
 def rows(mix: str, n: int, prompt: int, budget: int, vocab: int, seed: int):
