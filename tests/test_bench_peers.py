@@ -194,6 +194,7 @@ def test_figures_skip_the_first_step_and_the_verdict_needs_speed_and_accuracy():
     assert rows[0]["after_mean"] == pytest.approx(0.6) and (rows[0]["after_min"], rows[0]["after_max"]) == (0.5, 0.7)
     line, ratio = bp.verdict(rows)
     assert ratio == pytest.approx(3.0) and line.startswith("verdict: MET")
+    assert "(seed by seed: 3.00×)" in line  # the runs carry no seed here: one key in common
     rows[1]["after_mean"] = 0.65
     assert bp.verdict(rows)[0].startswith("verdict: NOT MET")
     failed = bp.summarize("trl", [{"error": "rc=1", "seed": 0}], 16, 0.3)
