@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def engine_summary(engine) -> dict:
     """What generated the rollouts: the engine's class and, where it says (the HF engine), which decode
     step ran (``fused``, ``compiled``, ``model``), its compile's seconds and a failed compile's error."""
-    out: dict = {"class": type(engine).__name__}
+    out: dict = {"engine_class": type(engine).__name__}
     for key in ("decode_step", "compile_s", "compile_error"):
         if hasattr(engine, key):
             out[key] = getattr(engine, key)
@@ -123,7 +123,7 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
         trainer.fit()
         summary["timing"] = step_time_summary(trainer.timing_totals, time.perf_counter() - t_fit)
         summary["steps_without_signal"] = trainer.steps_without_signal  # every group's rewards equal
-        summary["engine"] = engine_summary(trainer.engine)
+        summary["generation"] = engine_summary(trainer.engine)  # beside "engine", the configured name
         if rank == 0:
             log.info("where the training loop's time went:\n%s", format_step_time(summary["timing"]))
         if cfg.eval.after:

@@ -140,7 +140,13 @@ def test_a_run_that_cannot_learn_says_so_at_each_step_and_at_the_end(user):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps_without_signal"] == 2
     # which decode step generated the rollouts (the built-in policy: the fused step, never compiled)
-    assert summary["engine"] == {"class": "HFEngine", "decode_step": "fused", "compile_s": None, "compile_error": None}
+    assert summary["engine"] == "hf"  # the configured rollout engine's name, as before
+    assert summary["generation"] == {
+        "engine_class": "HFEngine",
+        "decode_step": "fused",
+        "compile_s": None,
+        "compile_error": None,
+    }
 
 
 def test_one_sample_per_prompt_with_a_group_baseline_is_refused(user):
