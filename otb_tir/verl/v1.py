@@ -182,7 +182,11 @@ class OTBTrainerMixin:
             epoch = (gs - 1) // max(int(getattr(self, "steps_per_epoch", 1) or 1), 1)
             timing = dict(timing_raw)  # verl times the whole step after the save: its time so far here
             timing.setdefault("step", time.perf_counter() - self._otb_clock.get("step_begin", time.perf_counter()))
-            self._compute_metrics(batch, dict(metrics), timing, gs, epoch)
+            self._otb_provisional = True  # marked: a run killed before the full row keeps this one
+            try:
+                self._compute_metrics(batch, dict(metrics), timing, gs, epoch)
+            finally:
+                self._otb_provisional = False
         with self._otb_phase("save_checkpoint"):
             return super()._save_checkpoint()  # type: ignore[misc]
 
@@ -342,6 +346,10 @@ class OTBTrainerMixin:
             if key in c:
                 metrics[f"timing/{key}_s"] = float(c[key])
         metrics.update(self._otb_batch_metrics(batch, metrics.get("actor/grad_norm"), int(global_steps)))
+        if getattr(self, "_otb_provisional", False):
+            # logged before the checkpoint: no save, weight-sync or rollout-idle time yet; the full row
+            # replaces it, unless the run is killed in between (then the resumed run keeps this one)
+            metrics["row/provisional"] = 1.0
         if self._otb_run:
             from otb_tir.verl.hooks import translate_metrics
 

@@ -135,13 +135,18 @@ def test_the_readme_verl_command_writes_what_the_local_trainer_writes(resumed_sy
             "actor/entropy",
         ):
             assert key in r, (step, key)
-        # every phase of verl's V1 step timed (its rewards are computed inside the rollout, in `gen`)
-        for phase in ("gen", "old_log_prob", "adv", "update_actor", "update_weights", "step", "trainer_idle"):
+        # every phase of verl's V1 step timed (its rewards are computed inside the rollout, in `gen`); a
+        # row logged before its checkpoint and kept because the kill came before the full row
+        # (row/provisional) has no weight sync or rollout idle time: they had not happened
+        provisional = r.get("row/provisional") == 1.0
+        assert not provisional or step == 2, step  # only the step the run was killed after
+        phases = ("gen", "old_log_prob", "adv", "update_actor", "step", "trainer_idle")
+        for phase in phases if provisional else (*phases, "update_weights", "rollout_idle"):
             assert r[f"timing/{phase}_s"] >= 0.0, (step, phase)
         assert r["tools/calls"] > 0  # tools were called
         # V1 sync: on-policy (every sample at lag 0), and how long each side waited on the other
         assert r["staleness/samples"] > 0 and r["staleness/lag_0"] == r["staleness/samples"]
-        assert r["staleness/max"] == 0 and r["timing/rollout_idle_s"] >= 0
+        assert r["staleness/max"] == 0
     # the actor was updated (a step whose groups all have equal rewards moves nothing: not every step)
     assert sum(r["actor/grad_norm"] > 0 for r in steps.values()) >= len(steps) // 2
     summary = json.loads((out / "summary.json").read_text())
@@ -295,7 +300,9 @@ def test_each_trainer_mode_keeps_the_contract_and_gets_sum_pi_squared(mode_runs)
     if mode != "legacy":
         assert v.trainer.v1.trainer_mode == f"otb_{mode}"
         for r in steps.values():  # how long each side waited on the other, and the staleness histogram
-            assert r["timing/trainer_idle_s"] > 0 and r["timing/rollout_idle_s"] >= 0 and r["staleness/max"] >= 0
+            assert r["timing/trainer_idle_s"] > 0 and r["staleness/max"] >= 0
+            # a row kept from before its checkpoint (the run killed in between) has no rollout idle yet
+            assert r.get("row/provisional") == 1.0 or r["timing/rollout_idle_s"] >= 0
             assert sum(v for k, v in r.items() if k.startswith("staleness/lag_")) == r["staleness/samples"] > 0
     if mode == "separate_async":  # the rollout on its own pool, weights moved by our gloo engine once per step
         assert v.actor_rollout_ref.hybrid_engine is False
