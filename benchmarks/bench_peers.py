@@ -658,6 +658,8 @@ LABELS = {
     "ours_compiled": "ours (TIR-OTB), compiled decode step (rollout.decode_step=compiled)",
     "ours_model_step": "ours (TIR-OTB), the model's forward as decode step (rollout.decode_step=model)",
     "ours_padded": "ours (TIR-OTB), rows padded through the update, not packed (actor.pack_rows=false)",
+    "ours_off1": "ours (TIR-OTB), next rollout beside the update, one step off-policy (trainer.one_step_off_policy)",
+    "ours_off1_compiled": "ours (TIR-OTB), one step off-policy and the compiled decode step",
 }
 ESTIMATORS = {
     "ours": "tir_optimal_token_baseline",
@@ -666,12 +668,16 @@ ESTIMATORS = {
     "ours_compiled": "tir_optimal_token_baseline",
     "ours_model_step": "tir_optimal_token_baseline",
     "ours_padded": "tir_optimal_token_baseline",
+    "ours_off1": "tir_optimal_token_baseline",
+    "ours_off1_compiled": "tir_optimal_token_baseline",
 }
 OURS_EXTRA = {  # overrides of an A/B row
     "ours_torch_threads": ["rollout.cpu_threads=0"],
     "ours_compiled": ["rollout.decode_step=compiled"],
     "ours_model_step": ["rollout.decode_step=model"],
     "ours_padded": ["actor.pack_rows=false"],
+    "ours_off1": ["trainer.one_step_off_policy=true"],
+    "ours_off1_compiled": ["trainer.one_step_off_policy=true", "rollout.decode_step=compiled"],
 }
 TOOL_LOSS = {
     "ours": "no (response_mask = 0 on tool tokens)",
@@ -679,6 +685,8 @@ TOOL_LOSS = {
     "ours_compiled": "no (response_mask = 0 on tool tokens)",
     "ours_model_step": "no (response_mask = 0 on tool tokens)",
     "ours_padded": "no (response_mask = 0 on tool tokens)",
+    "ours_off1": "no (response_mask = 0 on tool tokens)",
+    "ours_off1_compiled": "no (response_mask = 0 on tool tokens)",
     "ours_grpo": "no (response_mask = 0 on tool tokens)",
     "trl": "no (TRL's tool_mask = 0 on tool-result tokens)",
     "trl_cb": "no (TRL's tool_mask = 0 on tool-result tokens)",

@@ -142,7 +142,7 @@ class AlgorithmConfig:
     handle_zero_tail: bool = True  # OTB, as verl's: baseline 0 on a group's unique longest row past its runner-up
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's reward std
     # truncated token-level IS weights π_old/π_rollout passed to the estimator and the loss; null = auto:
-    # on in verl's asynchronous trainer modes (their samples are off-policy), off otherwise
+    # on where samples are off-policy (verl's asynchronous trainer modes, trainer.one_step_off_policy)
     rollout_is: bool | None = None
     rollout_is_threshold: float = 2.0  # truncation of the IS weights
     filter: FilterConfig = field(default_factory=FilterConfig)
@@ -177,6 +177,10 @@ class TrainerConfig:
     # under `torchrun --nproc_per_node N` (FSDP2, see otb_tir/trainer/distributed.py):
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     fsdp_reshard_after_forward: bool = True  # free gathered layer weights after each forward (ZeRO-3)
+    # local trainer: the next step's rollout runs beside this step's update, with the weights before it
+    # (its samples are one update old: off-policy; algorithm.rollout_is is on unless set false). The
+    # engine keeps its own copy of the weights. Off: every step rolls out with the weights it trains.
+    one_step_off_policy: bool = False
 
 
 @dataclass

@@ -126,7 +126,9 @@ def trainer_settings(cfg, autocast_dtype: torch.dtype | None = None) -> TrainerS
         adv_estimator=alg.adv_estimator,
         handle_zero_tail=alg.handle_zero_tail,
         norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-        rollout_is=bool(alg.rollout_is),  # null (auto) is off for the local trainer: its samples are on-policy
+        # null (auto): on only when the local trainer's samples are off-policy (one step old)
+        rollout_is=bool(t.one_step_off_policy if alg.rollout_is is None else alg.rollout_is),
+        one_step_off_policy=t.one_step_off_policy,
         rollout_is_threshold=alg.rollout_is_threshold,
         filters=FilterSettings(
             void_turns=f.void_turns, overlong=f.overlong, all_equal_reward_groups=f.all_equal_reward_groups
@@ -212,6 +214,13 @@ def build_parts(
 
         def weights_fn():
             return full_state_dict(hf_model)
+    elif cfg.trainer.one_step_off_policy:
+        # the engine rolls out the next step while the update changes the actor: its own copy
+        engine = HFEngine(model, tokenizer, device=device, share_weights=False, **common)
+        actor = model
+
+        def weights_fn():
+            return model.state_dict()
     else:
         engine = HFEngine(model, tokenizer, share_weights=True, **common)
         actor = model

@@ -95,6 +95,9 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
         "engine": cfg.rollout.name,  # the rollout engine: hf, or a serving engine (vllm, sglang)
         "seed": cfg.trainer.seed,
         "steps": cfg.trainer.total_steps,
+        # on-policy, or one step off-policy (trainer.one_step_off_policy: each batch sampled one update
+        # before the step that trains on it)
+        "policy_lag": 1 if cfg.trainer.one_step_off_policy else 0,
         "world_size": world,
         "cpu_kernels": cpu_kernels(),  # the float order's source: figures move with it across CPUs
         "tools": tools.describe(),

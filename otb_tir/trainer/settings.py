@@ -41,5 +41,8 @@ class TrainerSettings:
     norm_adv_by_std_in_grpo: bool = True
     rollout_is: bool = False  # truncated IS weights π_old / π_rollout for the estimator and the loss
     rollout_is_threshold: float = 2.0
+    # the next step's rollout runs beside this step's update, with the weights before it: samples one
+    # update old (off-policy; rollout_is corrects for it), steps shorter by up to the smaller of the two
+    one_step_off_policy: bool = False
     filters: FilterSettings = field(default_factory=FilterSettings)
     actor: ActorSettings = field(default_factory=ActorSettings)

@@ -15,8 +15,10 @@ a one-process run), metrics are computed over all ranks' rows, checkpoints go th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -81,6 +83,15 @@ class StepResult:
     batch: RolloutBatch
 
 
+@dataclass
+class _Ahead:
+    """The next step's rollout, run beside this step's update (``trainer.one_step_off_policy``)."""
+
+    batch: RolloutBatch
+    cursor_before: dict  # the data cursor before its prompts were drawn: what a checkpoint saves
+    seconds: float  # its wall time (inside this step's update_s)
+
+
 class Trainer:
     """Single-machine (or torchrun/FSDP2) PPO trainer with TIR-OTB advantages.
 
@@ -113,6 +124,19 @@ class Trainer:
         self.batch: RolloutBatch | None = None  # the rollout of the step in progress (or of the last step)
         self.timing_totals: dict[str, float] = {}  # seconds per phase over this process's fit()
         self.steps_without_signal = 0  # steps whose groups all had equal rewards (train/zero_advantage_frac = 1)
+        self._ahead: _Ahead | None = None  # the next step's rollout, done beside this step's update
+        self._engine_behind = False  # the engine lacks the last update's weights (it was rolling out)
+        if s.one_step_off_policy and self.world > 1:
+            raise ConfigError(
+                "trainer.one_step_off_policy runs in one process only (not under torchrun: the update's "
+                "collectives beside a rollout are untested)"
+            )
+        if s.one_step_off_policy and self.weights_fn is None:
+            raise ConfigError(
+                "trainer.one_step_off_policy needs an engine with its own copy of the weights (the update "
+                "changes the actor's while the engine rolls out the next step): build it with "
+                "share_weights=False and pass weights_fn"
+            )
 
     # ------------------------------------------------------------------ rollout
 
@@ -121,7 +145,16 @@ class Trainer:
     ) -> RolloutBatch:
         """Episodes of ``items``, the block of a global batch starting at index ``offset``: uids and
         episode seeds are those the same prompts get in a one-process rollout of the whole batch."""
-        prompts = [
+        prompts = self._prompts(items, seed, offset)
+        # one persistent event loop for the whole run: the tools' sandbox workers (bound to the loop
+        # that started them) live across steps instead of being restarted by a new loop per step
+        return run_sync(
+            rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n, progress=self.rank == 0)
+        )
+
+    @staticmethod
+    def _prompts(items: Sequence[dict], seed: int, offset: int) -> list[dict]:
+        return [
             {
                 "prompt": it["prompt"],
                 "ground_truth": it["reward_model"]["ground_truth"],
@@ -131,11 +164,6 @@ class Trainer:
             }
             for i, it in enumerate(items)
         ]
-        # one persistent event loop for the whole run: the tools' sandbox workers (bound to the loop
-        # that started them) live across steps instead of being restarted by a new loop per step
-        return run_sync(
-            rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n, progress=self.rank == 0)
-        )
 
     def evaluate(
         self, items: Sequence[dict] | None = None, tag: str = "val"
@@ -158,11 +186,25 @@ class Trainer:
     def train_step(self) -> StepResult:
         s, timer = self.settings, PhaseTimer()
 
+        ahead, self._ahead = self._ahead, None
         with timer("rollout"):
-            items, offset = shard_items(self.cursor.next_batch(), self.rank, self.world)
-            self.model.eval()
-            batch = self.batch = self._rollout(items, s.n, seed=s.seed * 1_000_003 + self.step, offset=offset)
-        timer.seconds.update(rollout_phases(batch.stats, timer.seconds["timing/rollout_s"]))
+            if ahead is None:
+                self.model.eval()
+                items, offset = self._draw()
+                batch = self._rollout(items, s.n, seed=s.seed * 1_000_003 + self.step, offset=offset)
+            else:  # rolled out during the previous step's update, with the weights before it
+                batch = ahead.batch
+            self.batch = batch
+        # a rollout done ahead ran inside the previous step's update_s: its phases are none of this step's
+        timer.seconds.update(rollout_phases(batch.stats if ahead is None else {}, timer.seconds["timing/rollout_s"]))
+        if self._engine_behind:  # the engine still has the weights of before the last update
+            with timer("weight_sync"):
+                self._sync_weights()
+            self._engine_behind = False
+        # one step off-policy: the next step's rollout runs beside this step's update, with the
+        # weights before it; not before a held-out evaluation (it needs the engine) nor at the end
+        nxt = self.step + 1
+        overlap = s.one_step_off_policy and nxt < s.total_steps and not (s.eval_every and nxt % s.eval_every == 0)
 
         tensors = dict(batch.tensors)
         rows = tensors["responses"].shape[0]
@@ -202,31 +244,47 @@ class Trainer:
                 if is_weights is not None:  # the loss multiplies its per-token surrogate by them, as verl's
                     t["rollout_is_weights"] = is_weights
 
-        if one_forward:  # exactly on-policy: the update's own forward gives the old statistics
-            with timer("update"):
-                actor_metrics = on_policy_update(self.model, self.optimizer, tensors, s.actor, advantages, ref)
-            timer.seconds["timing/update_s"] -= timer.seconds["timing/advantage_s"]
-            timer.seconds["timing/old_log_prob_s"] = 0.0  # no separate pass (the key stays, for readers)
-        else:
+        def learn() -> dict[str, float]:
+            if one_forward:  # exactly on-policy: the update's own forward gives the old statistics
+                with timer("update"):
+                    out = on_policy_update(self.model, self.optimizer, tensors, s.actor, advantages, ref)
+                timer.seconds["timing/update_s"] -= timer.seconds["timing/advantage_s"]
+                timer.seconds["timing/old_log_prob_s"] = 0.0  # no separate pass (the key stays, for readers)
+                return out
             with timer("old_log_prob"):  # log-prob, entropy and Σπ², one pass
                 tensors.update(compute_old_stats(self.model, tensors, s.actor))
             advantages(tensors)
             with timer("update"):
                 g = torch.Generator().manual_seed(s.seed * 7919 + self.step)
-                actor_metrics = {}
+                out = {}
                 for _ in range(s.ppo_epochs):
                     perm = torch.randperm(rows, generator=g)
                     minis = [perm[i : i + per_mini] for i in range(0, rows, per_mini)]
-                    actor_metrics = ppo_update(self.model, self.optimizer, tensors, minis, s.actor, ref)
+                    out = ppo_update(self.model, self.optimizer, tensors, minis, s.actor, ref)
+            return out
+
+        if overlap:
+            actor_metrics, self._ahead, overlap_s = self._learn_beside_next_rollout(learn)
+            own = {k: timer.seconds.get(k, 0.0) for k in ("timing/old_log_prob_s", "timing/advantage_s")}
+            timer.seconds["timing/update_own_s"] = timer.seconds["timing/update_s"]
+            # the step waited on both: the wall of the two together goes under update_s
+            timer.seconds["timing/update_s"] = max(overlap_s - sum(own.values()), 0.0)
+            timer.seconds["timing/next_rollout_s"] = self._ahead.seconds
+        else:
+            actor_metrics = learn()
         actor_metrics["actor/one_forward"] = float(one_forward)
+        actor_metrics["rollout/policy_lag"] = float(ahead is not None)
         loss_mask = tensors["loss_mask"]
         lr_used = self.optimizer.param_groups[0]["lr"]  # this step's rate, before the scheduler moves it
         with timer("update"):
             if self.scheduler is not None:
                 self.scheduler.step()
 
-        with timer("weight_sync"):
-            self._sync_weights()
+        if overlap:  # the engine is rolling out the next step: its weights go in when that is done
+            self._engine_behind = True
+        else:
+            with timer("weight_sync"):
+                self._sync_weights()
 
         with timer("metrics"):
             # metrics over all ranks' rows (rank order = the one-process row order)
@@ -258,7 +316,7 @@ class Trainer:
                     gradient_norm=actor_metrics.get("actor/grad_norm"),
                 )
             )
-            # the engine's log-probs against the actor's on the same tokens (lag 0: noise), every engine
+            # the engine's log-probs against the actor's on the same tokens (lag 0: noise; one step off-policy: lag 1)
             metrics.update(
                 rollout_actor_gap(g_all["rollout_log_probs"], g_all["old_log_probs"], g_all["response_mask"])
             )
@@ -285,6 +343,49 @@ class Trainer:
         metrics["timing/step_other_s"] = max(metrics["timing/step_s"] - sum(metrics[k] for k in inner), 0.0)
         return StepResult(metrics, batch)
 
+    def _draw(self) -> tuple[list[dict], int]:
+        """This rank's block of the next prompt batch, and the block's offset in it."""
+        items, offset = shard_items(self.cursor.next_batch(), self.rank, self.world)
+        return items, offset
+
+    def _learn_beside_next_rollout(self, learn) -> tuple[dict[str, float], "_Ahead", float]:
+        """``learn()`` (this step's update) in a worker thread while the next step's rollout runs on
+        this thread's event loop with the engine's weights of before the update. Returns the update's
+        metrics, the next rollout and the wall seconds of the two together."""
+        s = self.settings
+        cursor_before = self.cursor.state()
+        items, offset = self._draw()
+
+        async def both():
+            update = asyncio.ensure_future(asyncio.to_thread(learn))
+            t0 = time.perf_counter()
+            try:
+                batch = await rollout_async(
+                    self.engine,
+                    self.env,
+                    self._prompts(items, s.seed * 1_000_003 + self.step + 1, offset),
+                    s.n,
+                    seed=(s.seed * 1_000_003 + self.step + 1) + offset * s.n,
+                    progress=self.rank == 0,
+                )
+            except BaseException:
+                await asyncio.gather(update, return_exceptions=True)  # never leave the update running
+                raise
+            seconds = time.perf_counter() - t0
+            return await update, _Ahead(batch, cursor_before, seconds)
+
+        # the update takes the cores the engine leaves (on the CPU its steps hold cpu_threads of them;
+        # torch's thread count is the process's): on 2 cores 1 and 1, as torch's 2 threads beside the
+        # engine's made the update slower (docs/training.md)
+        before = torch.get_num_threads()
+        torch.set_num_threads(max(1, before - int(getattr(self.engine, "cpu_threads", 0) or 0)))
+        t0 = time.perf_counter()
+        try:
+            metrics, ahead = run_sync(both())
+        finally:
+            torch.set_num_threads(before)
+        return metrics, ahead, time.perf_counter() - t0
+
     def _sync_weights(self) -> None:
         if self.weights_fn is None:  # the engine shares the trainer's model
             run_sync(self.engine.update_weights({}))
@@ -299,7 +400,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "cursor": self.cursor.state(),
+            "cursor": self._cursor_state(),
             "rng": rng_state(),
             "step": self.step,
         }
@@ -308,11 +409,16 @@ class Trainer:
         """Under FSDP: what is not sharded (model and optimizer go through DCP); RNG of every rank."""
         return {
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "cursor": self.cursor.state(),
+            "cursor": self._cursor_state(),
             "rng_per_rank": gather_objects([rng_state()], self.world),
             "step": self.step,
             "world_size": self.world,
         }
+
+    def _cursor_state(self) -> dict:
+        """The cursor as of before a rollout done ahead: a resumed run draws those prompts again (and
+        rolls them out with the checkpoint's weights; the rollout itself is not saved)."""
+        return self._ahead.cursor_before if self._ahead is not None else self.cursor.state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "model" in state:
@@ -321,6 +427,7 @@ class Trainer:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.cursor.load_state(state["cursor"])
+        self._ahead, self._engine_behind = None, False
         rng = state["rng"] if "rng" in state else state["rng_per_rank"][self.rank % len(state["rng_per_rank"])]
         set_rng_state(rng)
         self.step = int(state["step"])

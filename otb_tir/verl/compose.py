@@ -101,6 +101,11 @@ def _check_supported(cfg: DictConfig) -> None:
             f"rollout.engine_kwargs {sorted(cfg.rollout.engine_kwargs)} are for the local trainer's vllm/sglang "
             "engine; verl's rollout takes its settings as verl keys (verl.actor_rollout_ref.rollout.<key>=...)"
         )
+    if cfg.trainer.get("one_step_off_policy"):
+        raise ConfigError(
+            "trainer.one_step_off_policy is the local trainer's; on the verl path the rollout runs beside "
+            "the update in verl's asynchronous modes: verl.trainer_mode=colocate_async or separate_async"
+        )
     if cfg.algorithm.adv_estimator in OTB_ESTIMATORS and not cfg.algorithm.handle_zero_tail:
         raise ConfigError(
             "algorithm.handle_zero_tail=false is not available on the verl path (verl's "

@@ -179,6 +179,7 @@ def test_overrides_and_unsupported_settings(tiny_model_dir, tmp_path):
         ("algorithm.handle_zero_tail=false", "handle_zero_tail"),
         ("algorithm.filter.overlong=true", "filter.overlong"),
         ("rollout.engine_kwargs.max_model_len=512", "engine_kwargs.*local trainer"),
+        ("trainer.one_step_off_policy=true", "one_step_off_policy.*colocate_async or separate_async"),
         ("data.train_files=[/nonexistent.parquet]", "not found"),
     ]:
         with pytest.raises(ConfigError, match=match):
