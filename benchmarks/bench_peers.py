@@ -602,6 +602,9 @@ def run_ours(
             "tool_s": x.get("timing/tool_wait_s", 0.0),
             "old_log_prob_s": x.get("timing/old_log_prob_s", 0.0),
             "update_s": x.get("timing/update_s", 0.0),
+            # one step off-policy: update_s is the update and the next step's rollout together
+            "update_own_s": x.get("timing/update_own_s"),
+            "next_rollout_s": x.get("timing/next_rollout_s"),
             "reward": x.get("reward/mean", math.nan),
         }
         for x in rows
@@ -720,6 +723,8 @@ def per_run_figures(run: dict[str, Any], samples_per_step: int) -> dict[str, flo
         "tool_s",
         "old_log_prob_s",
         "update_s",
+        "update_own_s",
+        "next_rollout_s",
         "prepare_s",
         "loss_forward_s",
     ):
@@ -896,7 +901,9 @@ def render_profile(rows: list[dict[str, Any]]) -> str:
         "generate_s": "  of which generate calls",
         "tool_s": "  of which tool calls (ours: only tools in flight; TRL: calls run one at a time)",
         "old_log_prob_s": "old log-prob + Σπ² forward (ours)",
-        "update_s": "update: forward + backward + optimizer (ours)",
+        "update_s": "update: forward + backward + optimizer (ours; one step off-policy: beside the next rollout)",
+        "update_own_s": "  one step off-policy: the update alone, beside the next rollout",
+        "next_rollout_s": "  one step off-policy: the next step's rollout, beside the update",
         "prepare_s": "rollout + rewards + advantages (TRL _generate_and_score_completions)",
         "loss_forward_s": "loss forward (TRL compute_loss)",
         "rest_s": "the rest of the step (TRL: backward + optimizer; ours: advantage, metrics)",
