@@ -282,6 +282,7 @@ class Trainer:
 
         if overlap:  # the engine is rolling out the next step: its weights go in when that is done
             self._engine_behind = True
+            timer.seconds.setdefault("timing/weight_sync_s", 0.0)  # every row has every phase
         else:
             with timer("weight_sync"):
                 self._sync_weights()
