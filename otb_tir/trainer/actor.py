@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from otb_tir.token_stats import TokenStats, chunk_at_most, pack_rows, token_stats_for_causal_lm
+from otb_tir.token_stats import PackedRows, TokenStats, chunk_at_most, pack_rows, token_stats_for_causal_lm
 from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import ppo_policy_loss
 
@@ -98,8 +98,10 @@ def _stats(
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
             st = TokenStats(*model(*args, **kw))
         else:
-            if s.pack_rows and s.fused_token_stats and packing_agrees(model, args, kw):
+            if s.pack_rows and s.fused_token_stats and _PACKING.get(model) is not False:
                 pack = pack_rows(*args, r)
+                if pack is not None and not packing_agrees(model, args, kw, pack):
+                    pack = None
             st = token_stats_for_causal_lm(model, *args, **kw, packed=pack or False)
     if sums is not None:
         sums.forward_tokens += pack.tokens if pack is not None else args[0].numel()
@@ -111,9 +113,10 @@ def _stats(
 _PACKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> does packing agree with padding
 
 
-def packing_agrees(model, args: tuple, kw: dict) -> bool:
-    """Whether ``model`` computes the same statistics on packed rows as on padded ones, checked once
-    per model on the first micro-batch it sees (both forwards without gradient; log-probs of the real
+def packing_agrees(model, args: tuple, kw: dict, pack: PackedRows) -> bool:
+    """Whether ``model`` computes the same statistics on packed rows (``pack``: :func:`pack_rows` of
+    ``args``) as on padded ones, checked once per model on the first micro-batch it sees that has
+    response columns (both forwards without gradient; log-probs of the real
     response tokens within 1e-4 in float32, 5e-2 in lower precision). Packing relies on the model
     building its attention mask from restarting position ids (transformers' masking utilities, or
     flash-attention's varlen call); a model that does not would let rows attend to each other. On a
@@ -121,16 +124,16 @@ def packing_agrees(model, args: tuple, kw: dict) -> bool:
     ok = _PACKING.get(model)
     if ok is not None:
         return ok
-    input_ids, attention_mask, position_ids = args
+    input_ids, attention_mask, _ = args
     r = kw["response_length"]
-    if r == 0 or pack_rows(input_ids, attention_mask, position_ids, r) is None:
+    if r == 0:
         return False  # nothing to compare on this micro-batch: ask again on the next
     was_training = model.training
     model.eval()  # no dropout: the two forwards must see the same function
     try:
         with torch.no_grad():
             padded = token_stats_for_causal_lm(model, *args, **kw, packed=False).log_probs.float()
-            packed = token_stats_for_causal_lm(model, *args, **kw, packed=True).log_probs.float()
+            packed = token_stats_for_causal_lm(model, *args, **kw, packed=pack).log_probs.float()
     finally:
         model.train(was_training)
     real = attention_mask[:, attention_mask.shape[1] - r :].bool()

@@ -129,18 +129,19 @@ def test_the_actor_checks_packing_once_and_refuses_a_model_that_mixes_rows(monke
 
     ids, mask, pos, r = _rows([3, 8, 1, 5], [12, 2, 4, 9])
     kw = dict(response_length=r, temperature=1.0, fused=True, chunk=None)
+    pk = pack_rows(ids, mask, pos, r)
     good = _model()
-    assert actor.packing_agrees(good, (ids, mask, pos), kw) is True
+    assert actor.packing_agrees(good, (ids, mask, pos), kw, pk) is True
     calls = []
     monkeypatch.setattr(actor, "token_stats_for_causal_lm", lambda *a, **k: calls.append(k) or None)
-    assert actor.packing_agrees(good, (ids, mask, pos), kw) is True  # remembered: no forward
+    assert actor.packing_agrees(good, (ids, mask, pos), kw, pk) is True  # remembered: no forward
     assert calls == []
     monkeypatch.undo()
 
     monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda position_ids: None)
     bad = _model()
     with caplog.at_level(logging.WARNING, logger="otb_tir.trainer.actor"):
-        assert actor.packing_agrees(bad, (ids, mask, pos), kw) is False
+        assert actor.packing_agrees(bad, (ids, mask, pos), kw, pk) is False
     assert "padded rows" in caplog.text and "Qwen3ForCausalLM" in caplog.text
     s = actor.ActorSettings(ppo_micro_batch_size=4)
     batch = {
