@@ -10,10 +10,7 @@ recipe killed and resumed as a subprocess.
 import copy
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ import torch
 from otb_tir import ConfigError
 from otb_tir.trainer.actor import compute_old_stats
 from otb_tir.trainer.checkpoint import load_latest
-from tests.otb_tir.trainer.test_trainer import ROOT, SMALL, _trainer, asyncio_close
+from tests.otb_tir.trainer.test_trainer import SMALL, _trainer, asyncio_close, kill_at_first_checkpoint, recipe_args
 
 OFF = ["trainer.one_step_off_policy=true"]
 
@@ -129,33 +126,20 @@ def test_no_rollout_runs_ahead_of_a_held_out_evaluation_and_checkpoints_keep_its
 def test_the_weaker_mode_is_refused_where_it_cannot_run(tmp_path, tiny_model_dir):
     from dataclasses import replace
 
+    from agent_env.rollout import run_sync
+    from otb_tir.builders import build_tools
+    from otb_tir.trainer.config import load_config
+    from otb_tir.trainer.distributed import DistInfo
+    from otb_tir.trainer.parts import build_parts, trainer_settings
     from otb_tir.trainer.trainer import Trainer
 
-    tr = _trainer(tmp_path, tiny_model_dir)  # the default engine shares the actor's weights
+    cfg = load_config(None, SMALL + [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}"])
+    parts = build_parts(cfg, build_tools(cfg), DistInfo(), torch.device("cpu"))
+    assert parts.weights_fn is None  # the default engine shares the actor's weights
     with pytest.raises(ConfigError, match="own copy of the weights"):
-        Trainer(replace(tr.settings, one_step_off_policy=True), _parts_of(tr))
-    asyncio_close(tr)
-
-
-def _parts_of(tr):
-    from otb_tir.trainer.distributed import DistInfo
-    from otb_tir.trainer.parts import Parts
-
-    return Parts(
-        model=tr.model,
-        optimizer=tr.optimizer,
-        scheduler=tr.scheduler,
-        engine=tr.engine,
-        env=tr.env,
-        eval_env=tr.eval_env,
-        cursor=tr.cursor,
-        val_items=tr.val_items,
-        estimator=tr.estimator,
-        logger=tr.logger,
-        info=DistInfo(),
-        weights_fn=tr.weights_fn,
-        ref_model=tr.ref_model,
-    )
+        Trainer(replace(trainer_settings(cfg), one_step_off_policy=True), parts)
+    run_sync(parts.engine.close())
+    run_sync(parts.env.tools.close())
 
 
 @pytest.mark.slow
@@ -164,31 +148,11 @@ def test_recipe_killed_with_a_rollout_ahead_resumes_and_rolls_it_out_again(tmp_p
     ``--resume``. The resumed run has every step once, and the step after its checkpoint was rolled
     out again with the checkpoint's weights (policy lag 0), not taken from the lost run."""
     out = tmp_path / "run"
-    args = [
-        sys.executable,
-        str(ROOT / "recipes/train_tir_math.py"),
-        "--model",
-        str(tiny_model_dir),
-        *SMALL,
-        *OFF,
-        f"trainer.output_dir={out}",
-        "trainer.total_steps=4",
-        "trainer.save_every=1",
-        "trainer.keep_checkpoints=5",
-        "eval.before=false",
-        "eval.after=false",
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
-    deadline = time.time() + 600
-    while not (out / "checkpoints" / "step_1" / "state.pt").exists():
-        assert proc.poll() is None, "training exited before its first checkpoint"
-        assert time.time() < deadline
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    args = recipe_args(tiny_model_dir, out, *OFF, "trainer.total_steps=4", "trainer.keep_checkpoints=5")
+    kill_at_first_checkpoint(args, out, cwd=tmp_path)
     killed_at = load_latest(out / "checkpoints")[0]
     assert killed_at < 4, "the run finished before the kill: nothing to resume"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(args + ["--resume"], capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

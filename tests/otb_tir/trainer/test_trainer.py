@@ -190,30 +190,41 @@ def test_void_turn_filter_masks_exactly_the_rows_with_a_void_turn(tmp_path, tiny
     asyncio_close(tr)
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_loses_no_step(tmp_path, tiny_model_dir):
-    out = tmp_path / "run"
-    args = [
+def recipe_args(tiny_model_dir, out, *extra) -> list[str]:
+    """The recipe's command line for SMALL's run into ``out``, without held-out passes."""
+    return [
         sys.executable,
         str(ROOT / "recipes/train_tir_math.py"),
         "--model",
         str(tiny_model_dir),
         *SMALL,
         f"trainer.output_dir={out}",
-        "trainer.total_steps=3",
         "trainer.save_every=1",
         "eval.before=false",
         "eval.after=false",
+        *extra,
     ]
+
+
+def kill_at_first_checkpoint(args, out, cwd=None) -> None:
+    """Run ``args``, SIGKILL it as soon as its step-1 checkpoint is on disk."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     deadline = time.time() + 600
     while not (out / "checkpoints" / "step_1" / "state.pt").exists():
         assert proc.poll() is None, "training exited before its first checkpoint"
         assert time.time() < deadline
-        time.sleep(0.5)
+        time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_loses_no_step(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    args = recipe_args(tiny_model_dir, out, "trainer.total_steps=3")
+    kill_at_first_checkpoint(args, out)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(args + ["--resume"], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
