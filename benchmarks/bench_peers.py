@@ -377,10 +377,12 @@ def trl_worker(spec_path: Path) -> int:
         def on_step_begin(self, args, state, control, **kw):
             current.clear()
             current["t0"] = time.perf_counter()
+            current["c0"] = time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             row = dict(current)
             row["step_s"] = time.perf_counter() - row.pop("t0")
+            row["cpu_s"] = time.process_time() - row.pop("c0")
             phases.append(row)
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -605,6 +607,7 @@ def run_ours(
             # one step off-policy: update_s is the update and the next step's rollout together
             "update_own_s": x.get("timing/update_own_s"),
             "next_rollout_s": x.get("timing/next_rollout_s"),
+            "cpu_s": x.get("perf/process_cpu_s"),
             "reward": x.get("reward/mean", math.nan),
         }
         for x in rows
@@ -727,6 +730,7 @@ def per_run_figures(run: dict[str, Any], samples_per_step: int) -> dict[str, flo
         "next_rollout_s",
         "prepare_s",
         "loss_forward_s",
+        "cpu_s",
     ):
         vals = [x.get(key) for x in body if x.get(key) is not None]
         if vals:
@@ -907,6 +911,7 @@ def render_profile(rows: list[dict[str, Any]]) -> str:
         "prepare_s": "rollout + rewards + advantages (TRL _generate_and_score_completions)",
         "loss_forward_s": "loss forward (TRL compute_loss)",
         "rest_s": "the rest of the step (TRL: backward + optimizer; ours: advantage, metrics)",
+        "cpu_s": "CPU seconds of the training process's threads (tool sandboxes not counted)",
     }
     gen_names = {
         "decode_steps": "decode forwards per step (all steps)",

@@ -185,6 +185,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         s, timer = self.settings, PhaseTimer()
+        cpu0 = time.process_time()
 
         ahead, self._ahead = self._ahead, None
         with timer("rollout"):
@@ -340,6 +341,9 @@ class Trainer:
             metrics.update(timing)
         metrics["timing/metrics_s"] = timing["timing/metrics_s"]
         metrics["timing/step_s"] = timer.elapsed()
+        # CPU seconds of this process's threads over the step (tool sandboxes are other processes): over
+        # step_s, how many cores the step kept busy
+        metrics["perf/process_cpu_s"] = time.process_time() - cpu0
         inner = [k for k in STEP_PHASES if k in metrics and k != "timing/eval_s"]
         metrics["timing/step_other_s"] = max(metrics["timing/step_s"] - sum(metrics[k] for k in inner), 0.0)
         return StepResult(metrics, batch)

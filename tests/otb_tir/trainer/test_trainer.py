@@ -251,6 +251,7 @@ def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_dir):
         inner = [k for k in STEP_PHASES if k not in rollout_parts and k != "timing/eval_s"]
         assert sum(m[k] for k in inner) + m["timing/rollout_s"] == pytest.approx(m["timing/step_s"], abs=1e-6)
         assert 0.0 <= m["perf/pad_frac"] < 1.0 and m["perf/update_tokens_per_s"] > 0
+        assert m["perf/process_cpu_s"] > 0  # this process's CPU seconds over the step (all its threads)
         # the padding share is of the columns the update's forward ran (its own count), not of the batch
         real = m["perf/update_tokens_per_s"] * m["timing/update_s"]
         assert m["perf/pad_frac"] == pytest.approx(1.0 - real / m["actor/forward_tokens"], rel=1e-6)
