@@ -145,16 +145,13 @@ class Trainer:
     ) -> RolloutBatch:
         """Episodes of ``items``, the block of a global batch starting at index ``offset``: uids and
         episode seeds are those the same prompts get in a one-process rollout of the whole batch."""
-        prompts = self._prompts(items, seed, offset)
         # one persistent event loop for the whole run: the tools' sandbox workers (bound to the loop
         # that started them) live across steps instead of being restarted by a new loop per step
-        return run_sync(
-            rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n, progress=self.rank == 0)
-        )
+        return run_sync(self._episodes(items, n, seed, env, offset))
 
-    @staticmethod
-    def _prompts(items: Sequence[dict], seed: int, offset: int) -> list[dict]:
-        return [
+    def _episodes(self, items: Sequence[dict], n: int, seed: int, env: AgentEnv | None = None, offset: int = 0):
+        """The coroutine :meth:`_rollout` runs (awaited beside the update when one step off-policy)."""
+        prompts = [
             {
                 "prompt": it["prompt"],
                 "ground_truth": it["reward_model"]["ground_truth"],
@@ -164,6 +161,11 @@ class Trainer:
             }
             for i, it in enumerate(items)
         ]
+        return rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n, progress=self.rank == 0)
+
+    def _step_seed(self, step: int) -> int:
+        """The sampling seed of training step ``step`` (0-based)."""
+        return self.settings.seed * 1_000_003 + step
 
     def evaluate(
         self, items: Sequence[dict] | None = None, tag: str = "val"
@@ -192,7 +194,7 @@ class Trainer:
             if ahead is None:
                 self.model.eval()
                 items, offset = self._draw()
-                batch = self._rollout(items, s.n, seed=s.seed * 1_000_003 + self.step, offset=offset)
+                batch = self._rollout(items, s.n, seed=self._step_seed(self.step), offset=offset)
             else:  # rolled out during the previous step's update, with the weights before it
                 batch = ahead.batch
             self.batch = batch
@@ -350,8 +352,7 @@ class Trainer:
 
     def _draw(self) -> tuple[list[dict], int]:
         """This rank's block of the next prompt batch, and the block's offset in it."""
-        items, offset = shard_items(self.cursor.next_batch(), self.rank, self.world)
-        return items, offset
+        return shard_items(self.cursor.next_batch(), self.rank, self.world)
 
     def _learn_beside_next_rollout(self, learn) -> tuple[dict[str, float], "_Ahead", float]:
         """``learn()`` (this step's update) in a worker thread while the next step's rollout runs on
@@ -365,14 +366,7 @@ class Trainer:
             update = asyncio.ensure_future(asyncio.to_thread(learn))
             t0 = time.perf_counter()
             try:
-                batch = await rollout_async(
-                    self.engine,
-                    self.env,
-                    self._prompts(items, s.seed * 1_000_003 + self.step + 1, offset),
-                    s.n,
-                    seed=(s.seed * 1_000_003 + self.step + 1) + offset * s.n,
-                    progress=self.rank == 0,
-                )
+                batch = await self._episodes(items, s.n, self._step_seed(self.step + 1), offset=offset)
             except BaseException:
                 await asyncio.gather(update, return_exceptions=True)  # never leave the update running
                 raise
