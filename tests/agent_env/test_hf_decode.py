@@ -16,6 +16,7 @@ import torch
 
 from agent_env.engines import EngineError, HFEngine, SamplingParams
 from agent_env.engines.hf_decode import FusedDecoder, unsupported
+from tests.support.small_models import small_decoder
 
 
 def _rollouts(engine: HFEngine, model, prompts: list[list[int]]) -> list:
@@ -110,32 +111,19 @@ def test_a_compile_that_fails_runs_the_eager_step_and_says_so(tiny_model_factory
 
 def _tiny(kind: str):
     """A random model of each family the fused step claims (seeded; nothing downloaded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=256,
-    )
     if kind == "qwen2":  # q/k/v projections with a bias, no q/k norms
-        model = Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+        model = small_decoder("qwen2", max_position_embeddings=256)
     else:
-        model = None
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    if model is None:
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope, mlp_bias=True, attention_bias=True)).eval()
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        extra = dict(rope_parameters=rope, mlp_bias=True, attention_bias=True)
+        model = small_decoder("llama", max_position_embeddings=256, **extra)
     with torch.no_grad():  # biases and norm weights start at 0 and 1: make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

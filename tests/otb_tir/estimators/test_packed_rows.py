@@ -13,31 +13,19 @@ from hypothesis import strategies as st
 
 from otb_tir.token_stats import pack_rows, token_stats_for_causal_lm
 from otb_tir.trainer import actor
+from tests.support.small_models import small_decoder
 
 VOCAB = 300
 
 
 def _model(kind: str = "qwen3", attn: str = "sdpa"):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
     if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
         cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(cfg)
-    else:
-        common = dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=128,
-            attn_implementation=attn,
-        )
-        model = Qwen3ForCausalLM(Qwen3Config(**common)) if kind == "qwen3" else LlamaForCausalLM(LlamaConfig(**common))
-    return model.eval()
+        return GPT2LMHeadModel(cfg).eval()
+    return small_decoder(kind, vocab_size=VOCAB, attn_implementation=attn)
 
 
 def _rows(prompts: list[int], responses: list[int], seed: int = 0):

@@ -21,6 +21,7 @@ from otb_tir.token_stats import (
     token_stats_from_hidden,
     token_stats_from_logits,
 )
+from tests.support.small_models import small_decoder
 
 
 def ref_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> TokenStats:
@@ -382,22 +383,7 @@ def test_logits_path_forward_extra_memory_is_per_chunk():
 
 
 def _tiny_qwen3(tied: bool, dtype=torch.float32):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-    )
-    model = Qwen3ForCausalLM(cfg).to(dtype)
-    model.eval()
+    model = small_decoder("qwen3", dtype=dtype, tie_word_embeddings=tied)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     return model
 
