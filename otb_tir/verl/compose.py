@@ -297,7 +297,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "trainer.max_actor_ckpt_to_keep": int(cfg.trainer.keep_checkpoints),
         "trainer.default_local_dir": str(out / "checkpoints"),
         "trainer.resume_mode": "auto" if cfg.trainer.resume else "disable",
-        "trainer.val_before_train": bool(cfg.eval.before),
+        # a resumed run whose held-out figure before training is logged does not validate again
+        "trainer.val_before_train": bool(cfg.eval.before) and not before_is_logged(cfg, out),
         # verl validates every test_freq steps and after the last: eval.every, else only at the end
         "trainer.test_freq": (int(cfg.eval.every) or int(cfg.trainer.total_steps)) if cfg.eval.after else -1,
         "trainer.project_name": cfg.trainer.project_name,
@@ -356,6 +357,28 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return v
+
+
+def before_is_logged(cfg: DictConfig, out: Path) -> bool:
+    """Whether this run resumes from a checkpoint (``trainer.resume`` and verl's marker of its latest
+    one) after a run that logged its held-out figure before training (a ``val/accuracy`` row at step
+    0 in ``metrics.jsonl``). verl validates before its loop on every start, a resumed one at the
+    checkpoint's step (~20 s of the built-in run's held-out set here, a row the log then drops); the
+    local trainer reuses its ``before.json`` instead. So does this path: the summary's before figure
+    is the step-0 row."""
+    if not cfg.trainer.resume or not (out / "checkpoints" / "latest_checkpointed_iteration.txt").is_file():
+        return False
+    metrics = out / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the kill
+        if row.get("step") == 0 and "val/accuracy" in row:
+            return True
+    return False
 
 
 def _join_an_existing_cluster(v: DictConfig, address: str) -> None:

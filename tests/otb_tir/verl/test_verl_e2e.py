@@ -648,11 +648,11 @@ def resumed_sync(verl_python, tmp_path_factory):
 
 def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once_and_learns(resumed_sync):
     """After the SIGKILL and the replica's death: the resumed run exits 0 with steps 1..15 in
-    ``metrics.jsonl`` exactly once (verl validates again at the restored step before its loop: that
-    row is not logged twice; a step's row is logged before its checkpoint), the summary counts 15
-    steps, the replica's death stopped the run by itself with an error naming the phase, its
-    checkpoint intact, and the run learned what an uninterrupted one learns (the CI guard on the verl
-    path's learning: :func:`_assert_it_learned`)."""
+    ``metrics.jsonl`` exactly once (a step's row is logged before its checkpoint), the summary counts
+    15 steps, the replica's death stopped the run by itself with an error naming the phase, its
+    checkpoint intact, a resumed start did not run the held-out evaluation again before its loop
+    (its before figure is logged), and the run learned what an uninterrupted one learns (the CI guard
+    on the verl path's learning: :func:`_assert_it_learned`)."""
     out, facts = resumed_sync
     assert max(r["step"] for r in facts["killed_rows"]) >= 2  # the killed run had logged its checkpoint's step
     err = facts["fault_err"]
@@ -661,6 +661,9 @@ def test_sync_killed_after_its_step_2_checkpoint_resumes_with_every_step_once_an
     assert facts["latest_after_fault"] == "2"
     _assert_every_step_once(out)
     _assert_it_learned(out)
+    # the last start resumed with the held-out figure before training already logged: verl did not
+    # validate again before its loop (otb_tir.verl.compose.before_is_logged; ~20 s a resume)
+    assert "Initial validation metrics" not in (out / "verl.log").read_text(errors="replace")
 
 
 def test_colocate_async_killed_after_its_step_2_checkpoint_resumes_with_every_step_once(verl_python, tmp_path):

@@ -382,6 +382,30 @@ def test_otb_with_bypass_mode_stops_at_start(tiny_model_dir, tmp_path):
     compose_verl_config(_cfg(tiny_model_dir, tmp_path, bypass, "algorithm.adv_estimator=grpo"))  # no Σπ² needed
 
 
+def test_a_resumed_run_validates_before_training_only_if_its_before_figure_is_not_logged(tiny_model_dir, tmp_path):
+    """verl validates before its loop on every start; a resumed run whose killed run logged the
+    held-out figure at step 0 does not do it again (the local trainer reuses its before.json), one
+    without that row (or without a checkpoint to resume) does."""
+    import json
+
+    from otb_tir.verl.compose import compose_verl_config
+
+    def val_before(*extra: str) -> bool:
+        return bool(compose_verl_config(_cfg(tiny_model_dir, tmp_path, *extra)).trainer.val_before_train)
+
+    assert val_before("trainer.resume=true")  # nothing to resume from yet
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    rows = [{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.6}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert val_before("trainer.resume=true")  # the killed run logged no figure before training
+    rows.insert(0, {"step": 0, "val/accuracy": 0.27})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')
+    assert not val_before("trainer.resume=true")  # it did (a line cut by the kill is skipped)
+    assert val_before()  # a fresh run (resume off) over the same folder
+    assert not val_before("trainer.resume=true", "eval.before=false")
+
+
 def test_separate_async_on_a_cpu_gets_its_own_rollout_pool_and_the_gloo_engine(tiny_model_dir, tmp_path):
     """What verl's PPOTrainerSeparateAsync asserts (train_batch_size = parameter_sync_step x mini-batch,
     a rollout pool of its own, a checkpoint engine other than naive) and what this CPU needs (our gloo
