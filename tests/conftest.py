@@ -20,10 +20,21 @@ HEAVY_TIERS = ("fsdp", "vllm", "sglang", "verl", "docker")
 
 def pytest_collection_modifyitems(config, items):
     """Every test of a heavy tier (pyproject's markers: fsdp, vllm, verl, docker) is also slow, so
-    ``pytest -m "not slow"`` is the quick loop and ``-m verl`` (etc.) selects one tier."""
+    ``pytest -m "not slow"`` is the quick loop and ``-m verl`` (etc.) selects one tier.
+
+    The suite runs in two pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup``; ``-n 0``
+    runs it in this process). Each file is one group, so a module's fixtures are built once, and every
+    file with a heavy-tier test is in the one group ``heavy``: verl's Ray clusters, the vLLM and sglang
+    servers, torchrun's FSDP ranks and docker run one at a time, beside the other worker's light tests
+    (the serial suite kept about 0.8 of the 2 cores busy)."""
+    heavy_files = set()
     for item in items:
-        if any(item.get_closest_marker(m) for m in HEAVY_TIERS) and not item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.slow)
+        if any(item.get_closest_marker(m) for m in HEAVY_TIERS):
+            heavy_files.add(item.path)
+            if not item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.slow)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("heavy" if item.path in heavy_files else str(item.path)))
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,9 @@ SMALL = [
     "verl.phase_timeout_s=300",
 ]
 
-pytestmark = [pytest.mark.slow, pytest.mark.verl]
+# pytest-timeout's 900 s covers a test's fixtures too: the README run's three starts took 515 s on a quiet
+# 2-core VM (2026-12-06), beside the other xdist worker's tests more; each run has its own timeout (_train)
+pytestmark = [pytest.mark.slow, pytest.mark.verl, pytest.mark.timeout(1800)]
 
 
 def _verl_python() -> str:
