@@ -16,7 +16,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from otb_tir.token_stats import PackedRows, TokenStats, chunk_at_most, pack_rows, token_stats_for_causal_lm
+from otb_tir.token_stats import (
+    PackedRows,
+    TokenStats,
+    chunk_at_most,
+    pack_rows,
+    prompt_sharing_mask_dtype,
+    token_stats_for_causal_lm,
+)
 from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import ppo_policy_loss
 
@@ -98,19 +105,23 @@ def _stats(
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward
             st = TokenStats(*model(*args, **kw))
         else:
-            if s.pack_rows and s.fused_token_stats and _PACKING.get(model) is not False:
-                pack = pack_rows(*args, r)
+            known = _PACKING.get(model, {})
+            if s.pack_rows and s.fused_token_stats and known.get("plain") is not False:
+                share = prompt_sharing_mask_dtype(model) if known.get("shared") is not False else None
+                pack = pack_rows(*args, r, share_prompts=share)
                 if pack is not None and not packing_agrees(model, args, kw, pack):
                     pack = None
             st = token_stats_for_causal_lm(model, *args, **kw, packed=pack or False)
     if sums is not None:
         sums.forward_tokens += pack.tokens if pack is not None else args[0].numel()
+        sums.forward_real_tokens += pack.real if pack is not None else int(args[1].sum())
     if r == resp_len:
         return st
     return TokenStats(*(torch.nn.functional.pad(t, (0, resp_len - r)) for t in st))
 
 
-_PACKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> does packing agree with padding
+# model -> {"plain" | "shared": does that packing agree with padding} ("shared": rows sharing a prompt)
+_PACKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def packing_agrees(model, args: tuple, kw: dict, pack: PackedRows) -> bool:
@@ -120,8 +131,11 @@ def packing_agrees(model, args: tuple, kw: dict, pack: PackedRows) -> bool:
     response tokens within 1e-4 in float32, 5e-2 in lower precision). Packing relies on the model
     building its attention mask from restarting position ids (transformers' masking utilities, or
     flash-attention's varlen call); a model that does not would let rows attend to each other. On a
-    mismatch the padded forward runs from then on (the same results, slower), with a warning naming the gap."""
-    ok = _PACKING.get(model)
+    mismatch the padded forward runs from then on (the same results, slower), with a warning naming the gap.
+    Rows packed with one copy of their shared prompt (``pack.attention_mask``: a 4-D mask the model
+    must honour) are checked apart from plain packing; on a mismatch they pack without sharing."""
+    kind = "plain" if pack.attention_mask is None else "shared"
+    ok = _PACKING.get(model, {}).get(kind)
     if ok is not None:
         return ok
     input_ids, attention_mask, _ = args
@@ -142,12 +156,14 @@ def packing_agrees(model, args: tuple, kw: dict, pack: PackedRows) -> bool:
     ok = gap <= (5e-2 if low else 1e-4)
     if not ok:
         logger.warning(
-            "%s: log-probs of packed rows differ from padded rows by %.3g (it does not keep packed rows "
-            "apart); the actor runs padded rows (actor.pack_rows=false skips this check)",
+            "%s: log-probs of packed rows%s differ from padded rows by %.3g (it does not keep packed rows "
+            "apart); the actor runs %s (actor.pack_rows=false skips this check)",
             type(model).__name__,
+            " sharing their prompt" if kind == "shared" else "",
             gap,
+            "rows packed without sharing prompts" if kind == "shared" else "padded rows",
         )
-    _PACKING[model] = ok
+    _PACKING.setdefault(model, {})[kind] = ok
     return ok
 
 
@@ -200,6 +216,7 @@ class _Sums:
         self.grad_norm = 0.0
         self.n_micro = 0
         self.forward_tokens = 0  # columns through the update's forwards, padding included (this rank)
+        self.forward_real_tokens = 0  # of those, the columns holding a token (a shared prompt's once)
 
     def micro_backward(
         self,
@@ -266,6 +283,7 @@ class _Sums:
             metrics[k] = float(vals[i]) / world / n_mini if k in self.loss else float(vals[i]) / total_micro
         metrics["actor/grad_norm"] = self.grad_norm / n_mini
         metrics["actor/forward_tokens"] = float(self.forward_tokens)
+        metrics["actor/forward_real_tokens"] = float(self.forward_real_tokens)
         return metrics
 
 

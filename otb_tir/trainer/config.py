@@ -122,7 +122,8 @@ class ActorConfig:
     # micro-batch), take the old log-probs and Σπ² from the update's own forward instead of a second pass
     reuse_update_forward: bool = True
     # local trainer: the rows' tokens go through the actor's forward packed into as few rows as fit (no
-    # padding), not each padded to the longest; checked once per model against the padded forward
+    # padding), not each padded to the longest, a group's shared prompt once (sdpa or eager attention);
+    # checked once per model against the padded forward
     pack_rows: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
 

@@ -330,11 +330,15 @@ class Trainer:
             # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)
             metrics["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
             metrics["rollout/tool_tokens"] = float(sum(len(t.response_ids) - sum(t.response_mask) for t in trajs))
-            # tokens through the actor's forward passes (prompt + response, padding excluded), all ranks;
-            # pad_frac: the share of padding in the columns the update's forwards ran (trimmed or packed)
+            # the step's tokens (prompt + response, padding excluded), all ranks; pad_frac: the share of
+            # padding in the columns the update's forwards ran (trimmed or packed); shared_prompt_frac: the
+            # share of the step's tokens the forwards did not run again (a group's prompt once)
             real = float(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
-            ran = actor_metrics.get("actor/forward_tokens", 0.0) * self.world / max(s.ppo_epochs, 1)
-            metrics["perf/pad_frac"] = max(1.0 - real / ran, 0.0) if ran else 0.0
+            per_pass = self.world / max(s.ppo_epochs, 1)
+            ran = actor_metrics.get("actor/forward_tokens", 0.0) * per_pass
+            ran_real = actor_metrics.get("actor/forward_real_tokens", 0.0) * per_pass
+            metrics["perf/pad_frac"] = max(1.0 - ran_real / ran, 0.0) if ran else 0.0
+            metrics["perf/shared_prompt_frac"] = max(1.0 - ran_real / real, 0.0) if ran and real else 0.0
             timing = timer.seconds
             metrics["perf/rollout_sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(
                 timing["timing/rollout_s"], 1e-9

@@ -141,3 +141,81 @@ def test_the_actor_checks_packing_once_and_refuses_a_model_that_mixes_rows(monke
     got = actor._stats(bad, batch, slice(None), s, grad=False)  # the padded forward: the true statistics
     want = token_stats_for_causal_lm(bad, ids, mask, pos, r, packed=False)
     torch.testing.assert_close(got.log_probs * mask[:, -r:], want.log_probs * mask[:, -r:])
+
+
+# ------------------------------------------------------------------------------ rows sharing a prompt
+
+
+def _group_rows(groups: list[tuple[int, list[int]]], seed: int = 0):
+    """Rows laid out as the rollout collates a batch of groups: each group's samples share one prompt
+    (``prompt length, [response lengths]``), left-padded prompts, right-padded responses."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for plen, resp in groups:
+        prompt = torch.randint(1, VOCAB, (plen,), generator=gen).tolist()
+        for n in resp:
+            prompts.append(prompt)
+            responses.append(torch.randint(1, VOCAB, (n,), generator=gen).tolist())
+    p, r, b = max(map(len, prompts)), max(max(map(len, responses)), 1), len(prompts)
+    ids = torch.zeros((b, p + r), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (pr, rs) in enumerate(zip(prompts, responses)):
+        ids[i, p - len(pr) : p] = torch.tensor(pr)
+        ids[i, p : p + len(rs)] = torch.tensor(rs, dtype=torch.long)
+        mask[i, p - len(pr) : p + len(rs)] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp_min(0), r
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    groups=st.lists(
+        st.tuples(st.integers(1, 12), st.lists(st.integers(0, 10), min_size=1, max_size=5)), min_size=1, max_size=4
+    ),
+    seed=st.integers(0, 1000),
+)
+def test_rows_sharing_a_prompt_give_the_padded_statistics_and_gradients(groups, seed):
+    """One copy of each repeated prompt, every response after it attending to it and to itself only: the
+    padded forward's statistics and gradients (sdpa's boolean mask), whichever layout pack_rows picks."""
+    model = _model("qwen3")
+    ids, mask, pos, r = _group_rows(groups, seed)
+    _assert_same(model, ids, mask, pos, r)
+
+
+@pytest.mark.parametrize("kind,attn", [("qwen3", "sdpa"), ("llama", "eager")])
+def test_a_batch_of_groups_goes_through_with_each_prompt_once(kind, attn):
+    """4 prompts × 4 samples (the built-in run's shape): the forward runs each prompt once per packed row
+    (fewer columns than packing each sample whole), the same statistics and gradients as padded rows,
+    with sdpa's boolean mask and eager attention's additive one."""
+    from otb_tir.token_stats import prompt_sharing_mask_dtype
+
+    groups = [(30, [9, 4, 12, 0]), (25, [7, 7, 3, 11]), (41, [2, 10, 6, 5]), (18, [12, 1, 8, 9])]
+    ids, mask, pos, r = _group_rows(groups, seed=3)
+    model = _model(kind, attn)
+    plain = pack_rows(ids, mask, pos, r)
+    shared = pack_rows(ids, mask, pos, r, share_prompts=prompt_sharing_mask_dtype(model))
+    assert plain.attention_mask is None and shared.attention_mask is not None
+    assert shared.attention_mask.dtype == (torch.bool if attn == "sdpa" else torch.float32)
+    real_tokens = int(mask.sum())
+    prompts_once = real_tokens - sum((n_prompt * (len(resp) - 1)) for n_prompt, resp in groups)
+    assert shared.tokens < plain.tokens and shared.tokens >= prompts_once
+    _assert_same(model, ids, mask, pos, r)
+
+
+def test_a_model_that_ignores_the_shared_prompt_mask_packs_without_sharing(caplog):
+    """A mask the model reads wrongly (here a boolean mask handed to eager attention, which adds it):
+    the actor's check sees the gap, says so and packs the rows without sharing from then on; the
+    statistics are the padded forward's."""
+    ids, mask, pos, r = _group_rows([(20, [5, 9, 3]), (14, [8, 2, 6])], seed=1)
+    model = _model("llama", "eager")
+    kw = dict(response_length=r, temperature=1.0, fused=True, chunk=None)
+    wrong = pack_rows(ids, mask, pos, r, share_prompts=torch.bool)
+    assert wrong.attention_mask is not None
+    with caplog.at_level(logging.WARNING, logger="otb_tir.trainer.actor"):
+        assert actor.packing_agrees(model, (ids, mask, pos), kw, wrong) is False
+    assert "sharing their prompt" in caplog.text and "without sharing" in caplog.text
+    assert actor._PACKING[model] == {"shared": False}
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, -r:]}
+    got = actor._stats(model, batch, slice(None), actor.ActorSettings(ppo_micro_batch_size=6), grad=False)
+    assert actor._PACKING[model] == {"shared": False, "plain": True}  # then packed plainly, checked once
+    want = token_stats_for_causal_lm(model, ids, mask, pos, r, packed=False)
+    torch.testing.assert_close(got.log_probs * mask[:, -r:], want.log_probs * mask[:, -r:])

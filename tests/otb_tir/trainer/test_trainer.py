@@ -252,9 +252,13 @@ def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_dir):
         assert sum(m[k] for k in inner) + m["timing/rollout_s"] == pytest.approx(m["timing/step_s"], abs=1e-6)
         assert 0.0 <= m["perf/pad_frac"] < 1.0 and m["perf/update_tokens_per_s"] > 0
         assert m["perf/process_cpu_s"] > 0  # this process's CPU seconds over the step (all its threads)
-        # the padding share is of the columns the update's forward ran (its own count), not of the batch
+        # the padding share is of the columns the update's forward ran (its own count), not of the batch;
+        # a group's prompt ran once (rollout.n samples share it): fewer real columns than the batch's tokens
         real = m["perf/update_tokens_per_s"] * m["timing/update_s"]
-        assert m["perf/pad_frac"] == pytest.approx(1.0 - real / m["actor/forward_tokens"], rel=1e-6)
+        ran_real = m["actor/forward_real_tokens"]
+        assert m["perf/pad_frac"] == pytest.approx(1.0 - ran_real / m["actor/forward_tokens"], rel=1e-6)
+        assert m["perf/shared_prompt_frac"] == pytest.approx(1.0 - ran_real / real, rel=1e-6)
+        assert 0.0 < m["perf/shared_prompt_frac"] < 1.0
         # the HF engine shares the actor's weights: its log-probs are the actor's up to batching noise
         assert m["training/rollout_probs_diff_valid"] == 1.0 and m["training/rollout_probs_diff_max"] < 1e-4
     # step 1's checkpoint was written after its row: its seconds are in row 2
