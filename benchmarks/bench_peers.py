@@ -967,6 +967,27 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[str, float]:
     return f"verdict: {'MET' if ok else 'NOT MET'} — " + "; ".join(parts), ratio
 
 
+def opt_in_ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """The verdict rates the default (``ours``); each other row of ours measured beside TRL (an opt-in
+    mode or an A/B) gets the same two figures, one line each."""
+    trl = next((r for r in rows if r["trainer"] == "trl"), None)
+    if not trl or math.isnan(trl["samples_per_s"]):
+        return []
+    lines = []
+    for r in rows:
+        if not r["trainer"].startswith("ours_") or math.isnan(r["samples_per_s"]):
+            continue
+        mine, theirs = r.get("samples_per_s_by_seed", {}), trl.get("samples_per_s_by_seed", {})
+        by_seed = ", ".join(f"{mine[k] / theirs[k]:.2f}×" for k in mine if k in theirs and theirs[k])
+        acc = "equal or better" if not (r["after_mean"] < trl["after_mean"]) else "worse"
+        lines.append(
+            f"{LABELS.get(r['trainer'], r['trainer'])}: {r['samples_per_s'] / trl['samples_per_s']:.2f}× TRL's "
+            f"samples/s{f' (seed by seed: {by_seed})' if by_seed else ''}; held-out after {_f(r['after_mean'])} "
+            f"vs {_f(trl['after_mean'])} ({acc})"
+        )
+    return lines
+
+
 def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
     """Ours against TRL, phase by phase (seconds per step; + where ours spends more)."""
     ours = next((r for r in rows if r["trainer"] == "ours"), None)
@@ -1161,6 +1182,11 @@ def main(argv: list[str] | None = None) -> int:
     print(render_profile(rows))
     print()
     print(line)
+    opt_in = opt_in_ratios(rows)
+    if opt_in:
+        print("the other rows of ours, against the same TRL runs (opt-in, not the default):")
+        for o in opt_in:
+            print(f"- {o}")
     why = where_time_goes(rows)
     if why:
         print("\nWhere the time goes, ours vs TRL (per step, steps 2..N, mean over seeds):")
@@ -1180,6 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_samples_per_s": ratio,
         "target": TARGET,
         "verdict": line,
+        "opt_in": opt_in,
         "where_time_goes": why,
         "notes": notes,
         "runs": {t: [{k: v for k, v in r.items()} for r in rs] for t, rs in runs.items()},

@@ -201,6 +201,13 @@ def test_figures_skip_the_first_step_and_the_verdict_needs_speed_and_accuracy():
     assert math.isnan(failed["samples_per_s"]) and failed["failed"] == [{"seed": 0, "error": "rc=1"}]
     assert "runs failed" in bp.verdict([rows[0], failed])[0]
     assert "trl not among --trainers" in bp.verdict([rows[0]])[0]  # an A/B of our own rows: no verdict
+    # an opt-in row of ours gets its own ratio beside the verdict, which rates the default only
+    off = bp.summarize(
+        "ours_off1", [{**run, "steps": [{"step_s": 1.5, "policy_tokens": 1.0}] * 2, "accuracy": 0.5}], 16, 0.3
+    )
+    (also,) = bp.opt_in_ratios([rows[0], off, rows[1]])
+    assert also.startswith(bp.LABELS["ours_off1"]) and "6.00× TRL's samples/s" in also and "(worse)" in also
+    assert bp.opt_in_ratios([rows[0], off]) == []  # no TRL row
     table = bp.render_table(rows, [], bp.QUICK)
     assert "0.30 → 0.60 [0.50, 0.70]" in table and "tool tokens in loss" in table
 
