@@ -74,6 +74,11 @@ def pytest_runtest_setup(item):
         os.setpriority(os.PRIO_PROCESS, 0, 0 if heavy else LIGHT_NICE)
     except OSError:
         pass
+    # Ray starts its workers (where a verl run's work is) at nice 15 unless told: below the light tests
+    if heavy:
+        os.environ["RAY_worker_niceness"] = "0"
+    else:
+        os.environ.pop("RAY_worker_niceness", None)
 
 
 @pytest.fixture(scope="session")
