@@ -21,7 +21,7 @@ from otb_tir.token_stats import (
     token_stats_from_hidden,
     token_stats_from_logits,
 )
-from tests.support.small_models import small_decoder
+from tests.support.small_models import SMALL, small_decoder
 
 
 def ref_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> TokenStats:
@@ -453,17 +453,8 @@ def test_causal_lm_softcapped_unfused_equals_model_forward():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Gemma2Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        final_logit_softcapping=0.5,  # small: every logit is bent, so a missing cap shows
-    )
+    # small: every logit is bent, so a missing cap shows
+    cfg = Gemma2Config(**SMALL, final_logit_softcapping=0.5)
     model = Gemma2ForCausalLM(cfg).eval()
     input_ids, attention_mask, position_ids = _batch()
     r, temp = 9, 0.8
