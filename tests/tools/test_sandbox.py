@@ -229,6 +229,40 @@ def test_stateless_calls_share_nothing(loop) -> None:
         loop.run_until_complete(t.close())
 
 
+def test_prelude_runs_once_per_worker_and_every_child_starts_with_it(loop, tmp_path) -> None:
+    """The prelude (the host's code) runs in the worker before the first spare: its module is there
+    in every snippet's child, a child's change to it does not reach the next child, and it ran once
+    per worker, not per call (it appends its worker's pid to a file only it can write)."""
+    marks = tmp_path / "prelude_runs"
+    prelude = (
+        "import os, sys, types\n"
+        "helper = sys.modules['otb_test_helper'] = types.ModuleType('otb_test_helper')\n"
+        "helper.value = 41\n"
+        f"open({str(marks)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+    )
+    t = PythonTool(backend="unisolated", workers=2, cache=False, preload=LIGHT, prelude=prelude)
+    try:
+        assert call(loop, t, "import otb_test_helper\notb_test_helper.value + 1").text == "42\n"
+        assert call(loop, t, "import otb_test_helper\notb_test_helper.value = 0").ok
+        for _ in range(4):
+            assert call(loop, t, "import otb_test_helper\notb_test_helper.value + 1").text == "42\n"
+        workers = {w.proc.pid for w in t.pool.workers if w.proc}
+        assert len(workers) == 2 and sorted(map(int, marks.read_text().split())) == sorted(workers)
+    finally:
+        loop.run_until_complete(t.close())
+
+
+def test_a_failing_prelude_stops_the_start_with_its_error(loop) -> None:
+    t = PythonTool(backend="unisolated", workers=1, preload=LIGHT, prelude="raise RuntimeError('no helper here')")
+    try:
+        with pytest.raises(Exception, match="prelude failed.*RuntimeError: no helper here"):
+            loop.run_until_complete(t.start())
+    finally:
+        loop.run_until_complete(t.close())
+    with pytest.raises(ToolError, match="prelude"):
+        PythonTool(prelude=b"print(1)")  # type: ignore[arg-type]
+
+
 @pytest.mark.slow
 def test_stateful_sessions(loop) -> None:
     t = PythonTool(

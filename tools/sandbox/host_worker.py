@@ -143,6 +143,9 @@ class WorkerProcess:
         if ready.get("op") != "ready":
             await self.kill()
             raise WorkerDied(f"{self.name} sent {ready!r} instead of ready")
+        if ready.get("prelude_error"):
+            await self.kill()
+            raise WorkerDied(f"{self.name}: the tool's prelude failed in the sandbox: {ready['prelude_error']}")
         self.info = ready
         self.calls = 0
         self._pending_idle = False

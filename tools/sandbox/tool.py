@@ -75,6 +75,9 @@ class PythonTool(Tool):
     ``cache`` / ``cache_size`` (identical stateless snippets), ``fsize_mb`` (largest file a snippet
     may write), ``nofile``, ``nproc`` (processes per worker uid), ``tmp_size_mb`` (scratch tmpfs),
     ``max_code_chars``, ``max_sessions``, ``preload`` (modules imported once per worker),
+    ``prelude`` (the host's own trusted code run once in each worker after ``preload``, before any
+    snippet: what it defines, e.g. modules in ``sys.modules``, every snippet's child starts with;
+    if it raises, the tool's start fails with its error),
     ``seccomp``, ``recycle_after`` (restart a worker after N snippets; docker default 500),
     ``image`` (docker image), ``debug`` (worker stderr to the trainer's stderr),
     ``worker_options`` (performance switches of the fork server; none changes what a snippet may
@@ -118,6 +121,7 @@ class PythonTool(Tool):
         max_code_chars: int = 100_000,
         max_sessions: int = 64,
         preload: tuple[str, ...] | list[str] = ("math", "numpy", "sympy"),
+        prelude: str | None = None,
         seccomp: bool = True,
         recycle_after: int | None = None,
         image: str | None = None,
@@ -173,6 +177,10 @@ class PythonTool(Tool):
             "preload": list(preload),
             "seccomp": bool(seccomp),
         }
+        if prelude is not None:
+            if not isinstance(prelude, str):
+                raise ToolError(f"PythonTool: prelude must be Python source (a str), got {type(prelude).__name__}")
+            self.worker_cfg["prelude"] = prelude
         for k, v in (worker_options or {}).items():
             if k not in WORKER_OPTIONS or not isinstance(v, bool):
                 raise ToolError(

@@ -9,7 +9,8 @@ and mounted read-only beside it by the backends (``backends.WORKER_FILES``):
                         killing and reaping what a snippet leaves, scratch
     worker_child.py     the snippet's process: fork, hardening (rlimits, uid drop, seccomp), framing
     worker_seccomp.py   the seccomp filter
-    worker_snippet.py   running a snippet (REPL-style, trimmed tracebacks); preload and warm-up
+    worker_snippet.py   running a snippet (REPL-style, trimmed tracebacks); preload, warm-up and
+                        the tool's prelude (trusted code run once, before the first spare)
     worker_prefault.py  opt-in experiments, loaded only when the config asks for them
     worker_profile.py   (worker_options "prefault" / "profile"; see the hooks below)
 
@@ -379,6 +380,7 @@ class Worker(_child.Spawner):
                 "seccomp": self.filter is not None,
                 "seccomp_error": self.filter_error,
                 "preloaded": preloaded,
+                "prelude_error": self.cfg.get("_prelude_error"),
                 "thp_mb": self.thp_bytes >> 20,
                 "raw_fork": self.raw_fork,
                 **extra,
@@ -462,6 +464,7 @@ def main() -> None:
     for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
         os.environ.setdefault(k, "1")
     cfg["_preloaded"] = _snippet.preload(cfg.get("preload", ["math", "numpy", "sympy"]), warmup=cfg.get("warmup", True))
+    cfg["_prelude_error"] = _snippet.prelude(cfg.get("prelude"))
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     cls = Worker
     # opt-in experiments (off by default; benchmarks/bench_sandbox.py compares them)

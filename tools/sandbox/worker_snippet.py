@@ -120,3 +120,17 @@ def preload(modules: list[str], warmup: bool = True) -> list[str]:
     if warmup:
         _warm_up(preloaded)
     return preloaded
+
+
+def prelude(code: str | None) -> str | None:
+    """Run the tool's ``prelude`` once, here in the worker before any spare is forked, so every
+    snippet's child starts with what it defined (modules in ``sys.modules``, warmed caches) without
+    paying for it. It is the host's own trusted code, not a snippet. Returns None, or why it
+    failed (the host then stops the worker's start with that message)."""
+    if not code:
+        return None
+    try:
+        exec(compile(code, "<prelude>", "exec"), {"__name__": "__prelude__"})  # noqa: S102 - the host's code
+    except BaseException as e:  # noqa: BLE001 - reported to the host in the ready frame
+        return "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
+    return None
