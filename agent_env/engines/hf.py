@@ -100,7 +100,8 @@ class HFEngine(RunningBatch):
             recorded in docs/results.md).
         decode_step: how a decode step runs (:mod:`agent_env.engines.hf_decode`): ``"model"``, the
             model's own forward; ``"fused"``, the step written out from the model's weights (Qwen2,
-            Qwen3, Llama layers; ~2× fewer milliseconds per step on a small CPU policy);
+            Qwen3, Llama layers; ~2× fewer milliseconds per step on a small CPU policy; the prefills
+            are written out the same way, eagerly);
             ``"compiled"``, that step through ``torch.compile`` (faster again per step, but the first
             compile takes seconds to tens of seconds, in :attr:`compile_s`; a failed compile runs the
             eager step and says so in the log and :attr:`compile_error`);
@@ -413,6 +414,8 @@ class HFEngine(RunningBatch):
         self.stats["max_running"] = max(self.stats["max_running"], len(self._active))
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
+        if self._decoder is not None:  # a prefill: written out as the decode step is
+            return self._decoder.prefill(input_ids, attention_mask, position_ids, cache)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -18,11 +18,17 @@ model's 7.1 ms, this step's 3.2 ms eager, 1.8 ms compiled (compiling took 19 s t
 from torch's cache); the engine's whole decode step (``benchmarks/bench_engine_decode.py``, recorded
 in docs/results.md): 7.8 ms with the model's forward, 6.4 fused, 4.2 compiled.
 
+The engine's prefills (new rows, and next turns on their kept keys/values) go through the same
+weights written out for many tokens a row (:meth:`FusedDecoder.prefill`, always eager; attention by
+``scaled_dot_product_attention`` as the model's own sdpa forward): a next turn's 10-40 tokens on a
+row's 200-300 kept columns took 1.8-2.6 ms against the model's 2.5-3.5 ms, a group's first prompt
+(4 rows × 150 tokens) 19-20 against 20.5 ms (one thread, 2026-12-06, a diagnostic A/B in one process).
+
 Which models: :func:`unsupported` says why a model is not one it reproduces (the checks are on the
 modules, not only the name: Qwen2, Qwen3 and Llama layers, SiLU MLP, RMS norms, a rotary embedding
 with a fixed ``inv_freq``, full attention everywhere). A model that passes them still gets a
 probe when the decoder is built (:meth:`FusedDecoder.probe`): a few tokens through the model's own
-forward and through this step, logits compared; a mismatch is an ``EngineError`` naming the gap.
+forward and through this step and its prefill, logits compared; a mismatch is an ``EngineError`` naming the gap.
 """
 
 from __future__ import annotations
@@ -135,6 +141,74 @@ def _make_step(shape: dict[str, Any]) -> Callable:
     return step
 
 
+def _make_prefill(shape: dict[str, Any]) -> Callable:
+    """New tokens of some rows (a prompt, or a next turn on its kept keys/values) written out as the
+    decode step is: ``ids``/``pos`` ``[B, L]`` (left-padded), ``bias`` ``[B, L, P+L]`` (additive:
+    0 where a token attends, -inf elsewhere), per layer the kept keys/values ``[B, hkv, P, d]``
+    (``P`` may be 0). Returns the last position's logits (float32) and, per layer, the keys and
+    values of all ``P+L`` columns."""
+    hq, hkv, d, eps, scaling = shape["hq"], shape["hkv"], shape["head_dim"], shape["eps"], shape["scaling"]
+    g, qk_norm, scale_rope = hq // hkv, shape["qk_norm"], shape["rope_scaling"]
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def prefill(ids, pos, bias, past_keys, past_values, layers, embed, norm, head, head_bias, inv_freq):
+        b, n = ids.shape
+        h = F.embedding(ids, embed)
+        freqs = pos[..., None].float() * inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * scale_rope).to(h.dtype)[:, :, None, :]
+        sin = (emb.sin() * scale_rope).to(h.dtype)[:, :, None, :]
+        bias = bias[:, None]  # [B, 1, L, P+L]: every head
+        keys, values = [], []
+        for (ln1, qkv_w, qkv_b, qk_norm_w, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), k_past, v_past in zip(
+            layers, past_keys, past_values
+        ):
+            x = _rms(h, ln1, eps)
+            if isinstance(qkv_w, tuple):
+                q, k, v = (F.linear(x, w, bb) for w, bb in zip(qkv_w, qkv_b))
+                qk = torch.cat([q, k], dim=-1)
+            else:
+                qk, v = F.linear(x, qkv_w, qkv_b).split([(hq + hkv) * d, hkv * d], dim=-1)
+            qk, v = qk.reshape(b, n, hq + hkv, d), v.reshape(b, n, hkv, d)
+            if qk_norm:
+                qk = _rms(qk, qk_norm_w, eps)
+            q, k = rotate(qk, cos, sin).split([hq, hkv], dim=2)
+            k_all = torch.cat([k_past, k.transpose(1, 2)], dim=2)  # [B, hkv, P+L, d]
+            v_all = torch.cat([v_past, v.transpose(1, 2)], dim=2)
+            keys.append(k_all)
+            values.append(v_all)
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k_all, v_all, attn_mask=bias, scale=scaling, enable_gqa=g > 1
+            )
+            att = att.transpose(1, 2).reshape(b, n, hq * d)
+            h = h + F.linear(att, o_w, o_b)
+            x = _rms(h, ln2, eps)
+            if isinstance(gu_w, tuple):
+                gate, up = (F.linear(x, w, bb) for w, bb in zip(gu_w, gu_b))
+            else:
+                gate, up = F.linear(x, gu_w, gu_b).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, down_w, down_b)
+        return F.linear(_rms(h[:, -1], norm, eps), head, head_bias).float(), keys, values
+
+    return prefill
+
+
+def prefill_bias(mask: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, L, P+L]`` additive bias of a prefill of ``new`` (= L) tokens per row after ``P`` kept
+    columns, from the rows' ``[B, P+L]`` 0/1 mask: a token attends to the columns the mask keeps up to
+    its own; a padding token to itself as well (so no row of scores is all -inf: it gives a finite
+    value nothing reads)."""
+    width = mask.shape[1]
+    past = width - new
+    cols = torch.arange(width, device=mask.device)
+    rows = torch.arange(new, device=mask.device)[:, None] + past
+    allowed = (mask[:, None, :] != 0) & (cols[None, None, :] <= rows[None]) | (cols[None, None, :] == rows[None])
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
+
+
 class FusedDecoder:
     """One decode step of the running batch through ``model``'s weights (see the module docstring).
 
@@ -167,6 +241,7 @@ class FusedDecoder:
         self._params = list(model.parameters())
         self.fuse = sum(p.numel() * p.element_size() for p in self._params) <= FUSE_BYTES
         self._eager = _make_step(self.shape)
+        self._prefill = _make_prefill(self.shape)
         self._fn = self._eager
         self.compiled = False
         self.compile_s: float | None = None
@@ -285,6 +360,32 @@ class FusedDecoder:
         return out
 
     @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        """The model's forward over new tokens, as the engine's prefill calls it (always eager: the
+        shapes change with every call): ``ids``/``pos`` ``[B, L]`` left-padded, ``mask`` ``[B, P+L]``
+        over ``cache``'s ``P`` columns (kept keys/values, or none) and the new ones. Returns the last
+        token's logits ``[B, V]`` (float32) and a ``DynamicCache`` holding all ``P+L`` columns."""
+        from transformers import DynamicCache
+
+        layers = cache_layers(cache)
+        n = ids.shape[1]
+        past = mask.shape[1] - n
+        w = self.weights()
+        embed = w[1]
+        if past:
+            keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+            if any(k.shape[-2] != past for k in keys):
+                raise EngineError("the prefill's kept keys/values and its mask disagree on the width")
+        else:
+            empty = embed.new_zeros((ids.shape[0], self.shape["hkv"], 0, self.shape["head_dim"]))
+            keys = values = [empty] * len(layers)
+        logits, keys, values = self._prefill(ids, pos, prefill_bias(mask, n, embed.dtype), keys, values, *w)
+        out = DynamicCache(config=self.model.config)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            out.update(k, v, i)
+        return logits, out
+
+    @torch.no_grad()
     def probe(self, rows: int = 2, tokens: int = 5) -> float:
         """Run a short left-padded batch through the model's forward and through this step, from the
         same cache; raise ``EngineError`` if their log-probs differ by more than the dtype allows.
@@ -329,14 +430,21 @@ class FusedDecoder:
                 .float()
             )
             got = self.step(nxt, step_pos, step_mask, cache_layers(mine), eager=True)
+            # the written-out prefill: its last logits, and a step on the keys/values it wrote
+            first, written = self.prefill(ids, mask, pos, DynamicCache(config=model.config))
+            with_slack(written)
+            after = self.step(nxt, step_pos, step_mask, cache_layers(written), eager=True)
         finally:
             if was_training:
                 model.train()
-        gap = float((ref.log_softmax(-1) - got.log_softmax(-1)).abs().max())
+        gap = max(
+            float((a.log_softmax(-1) - b.log_softmax(-1)).abs().max())
+            for a, b in ((ref, got), (out.logits[:, -1].float(), first), (ref, after))
+        )
         tol = 1e-3 if ref.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 0.1
         if not gap <= tol:  # NaN too
             raise EngineError(
-                f"the fused decode step does not reproduce this model's forward: log-probs differ by {gap:.3g} "
-                f"(allowed {tol}); use decode_step='model'"
+                f"the fused decode step (or its prefill) does not reproduce this model's forward: log-probs "
+                f"differ by {gap:.3g} (allowed {tol}); use decode_step='model'"
             )
         return gap

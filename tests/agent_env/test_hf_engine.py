@@ -598,8 +598,9 @@ def test_steps_run_on_the_loops_thread_on_cpu_and_the_loop_still_serves_others(t
 
     eng = HFEngine(tiny_model_dir, max_batch_size=8, worker_thread=worker_thread)
     assert eng.worker_thread is (worker_thread is True)
-    threads: set[int] = set()
-    hook = eng.model.register_forward_hook(lambda *_: threads.add(threading.get_ident()))
+    threads: set[int] = set()  # where the engine's compute steps ran (the model's forward may not run)
+    step = eng._step_locked
+    eng._step_locked = lambda: (threads.add(threading.get_ident()), step())[1]
 
     async def go():
         ticks = []
@@ -617,7 +618,6 @@ def test_steps_run_on_the_loops_thread_on_cpu_and_the_loop_still_serves_others(t
         return out, ticks
 
     out, ticks = run(go())
-    hook.remove()
     loop_thread = threading.get_ident()  # asyncio.run runs the loop on this thread
     assert (threads == {loop_thread}) is (worker_thread is None), threads
     assert len(out.token_ids) == 40
