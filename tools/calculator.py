@@ -104,6 +104,9 @@ class CalculatorTool(Tool):
     """
 
     name = "calculator"
+    # the sandbox kills an evaluation at its limit; waiting for a free worker is not its time (as the
+    # python tool's): an episode's tool_timeout bounds the evaluation, not the queue in front of it
+    bounds_itself = True
     description = (
         "Evaluate a math expression exactly with sympy: arithmetic with fractions, powers (** or ^), "
         "sqrt, factorial, binomial, gcd, lcm, mod, log/exp/trig, simplify/expand/factor, and solving "
@@ -172,7 +175,18 @@ class CalculatorTool(Tool):
         """Stop the sandbox workers; calls then answer an error until :meth:`start`."""
         await self.sandbox.close()
 
+    @property
+    def capacity_wait_s(self) -> float:  # type: ignore[override]
+        """Seconds a call may wait for a free sandbox worker (the sandbox's ``queue_timeout``)."""
+        return self.sandbox.capacity_wait_s
+
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
+        return await self.call_bounded(args, session_id=session_id)
+
+    async def call_bounded(
+        self, args: dict[str, Any], *, session_id: str | None = None, timeout: float | None = None
+    ) -> ToolResult:
+        """The evaluation runs for at most ``min(self.timeout, timeout)`` once a worker has it."""
         expression = args.get("expression")
         if not isinstance(expression, str):
             return ToolResult(
@@ -187,7 +201,7 @@ class CalculatorTool(Tool):
                 ok=False,
                 error=ErrorKind.BAD_ARGUMENTS,
             )
-        ran = await self.sandbox.call({"code": snippet(expression, self.max_result_chars)})
+        ran = await self.sandbox.call_bounded({"code": snippet(expression, self.max_result_chars)}, timeout=timeout)
         metrics = {k: v for k, v in ran.metrics.items() if k in ("exec_ms", "cache_hit")}
         if ran.ok and ran.error is None:
             try:

@@ -373,6 +373,32 @@ def test_concurrent_calls(calc):
     assert [r.text for r in results] == [fraction_text(Fraction(i, 7) + Fraction(i, 3)) for i in range(48)]
 
 
+def test_waiting_for_a_free_worker_is_not_counted_in_an_episodes_tool_timeout(make_tool):
+    """An episode's tool_timeout bounds the evaluation, not the queue in front of it (the python
+    tool's contract): with one worker busy on a slow expansion, a quick call given 0.2 s waits for
+    the worker and then answers, instead of timing out as if its own expression had hung. (The verl
+    path's held-out evaluation under CI load timed 41 % of its calculator calls out this way.)"""
+    tool = make_tool(workers=1)
+    run(tool.start())
+
+    async def scenario():
+        slow = asyncio.ensure_future(tool.invoke({"expression": "expand((x + y + 2)**60)"}))
+        await asyncio.sleep(0.05)  # the slow one holds the only worker
+        quick = await tool.invoke({"expression": "6*7"}, timeout=0.2)
+        return quick, await slow
+
+    quick, slow = run(scenario())
+    assert slow.ok, slow
+    assert (quick.ok, quick.text) == (True, "42"), quick
+    assert quick.metrics["latency_ms"] > 200  # it did wait longer than its own bound, for the worker
+    # its own bound still holds: an evaluation that runs past it is a timeout
+    assert ask_bounded(tool, "expand((x + y + 3)**60)", 0.2).error == ErrorKind.TIMEOUT
+
+
+def ask_bounded(tool, expression: str, timeout: float):
+    return run(tool.invoke({"expression": expression}, timeout=timeout))
+
+
 def test_evaluation_runs_in_the_sandbox(calc):
     """The tool does not evaluate in this process: the sandbox's process ids answer."""
     assert ask(calc, "1+1").text == "2"
