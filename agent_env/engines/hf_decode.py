@@ -94,48 +94,60 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _rope(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple:
+    """cos and sin of positions ``pos`` (any shape), with a trailing rotary dimension."""
+    freqs = pos[..., None].float() * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _qk_v(x: torch.Tensor, qkv_w: Any, qkv_b: Any, qk_width: int, v_width: int) -> tuple:
+    """The query and key heads side by side (one norm and one rotation serve both), and the values."""
+    if isinstance(qkv_w, tuple):  # unfused: q, k, v apart
+        q, k, v = (F.linear(x, w, bb) for w, bb in zip(qkv_w, qkv_b))
+        return torch.cat([q, k], dim=-1), v
+    qk, v = F.linear(x, qkv_w, qkv_b).split([qk_width, v_width], dim=-1)
+    return qk, v
+
+
+def _mlp(x: torch.Tensor, gu_w: Any, gu_b: Any, down_w: torch.Tensor, down_b: Any) -> torch.Tensor:
+    if isinstance(gu_w, tuple):
+        gate, up = (F.linear(x, w, bb) for w, bb in zip(gu_w, gu_b))
+    else:
+        gate, up = F.linear(x, gu_w, gu_b).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down_w, down_b)
+
+
 def _make_step(shape: dict[str, Any]) -> Callable:
     """The step as a function of tensors only (what ``torch.compile`` traces); ``shape``'s numbers
     are constants of it."""
     hq, hkv, d, eps, scaling = shape["hq"], shape["hkv"], shape["head_dim"], shape["eps"], shape["scaling"]
     g, qk_norm, scale_rope = hq // hkv, shape["qk_norm"], shape["rope_scaling"]
 
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
     def step(ids, pos, col, bias, keys, values, layers, embed, norm, head, head_bias, inv_freq):
         b = ids.shape[0]
         h = F.embedding(ids, embed)
-        freqs = pos[:, None].float() * inv_freq[None, :].float()
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * scale_rope).to(h.dtype)[:, None, :]
-        sin = (emb.sin() * scale_rope).to(h.dtype)[:, None, :]
+        cos, sin = _rope(pos, inv_freq, scale_rope, h.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]
         for (ln1, qkv_w, qkv_b, qk_norm_w, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), k_buf, v_buf in zip(
             layers, keys, values
         ):
-            x = _rms(h, ln1, eps)
-            if isinstance(qkv_w, tuple):  # unfused: q, k, v apart
-                q, k, v = (F.linear(x, w, bb) for w, bb in zip(qkv_w, qkv_b))
-                qk = torch.cat([q, k], dim=-1)
-            else:
-                qk, v = F.linear(x, qkv_w, qkv_b).split([(hq + hkv) * d, hkv * d], dim=-1)
-            # the query and key heads side by side: one norm (each head's own weight row) and one rotation
-            qk, v = qk.reshape(b, hq + hkv, d), v.view(b, hkv, d)
-            if qk_norm:
+            qk, v = _qk_v(_rms(h, ln1, eps), qkv_w, qkv_b, (hq + hkv) * d, hkv * d)
+            qk, v = qk.reshape(b, hq + hkv, d), v.reshape(b, hkv, d)
+            if qk_norm:  # each head's own weight row
                 qk = _rms(qk, qk_norm_w, eps)
-            q, k = rotate(qk, cos, sin).split([hq, hkv], dim=1)
+            q, k = _rotate(qk, cos, sin).split([hq, hkv], dim=1)
             k_buf.index_copy_(2, col, k[:, :, None, :])
             v_buf.index_copy_(2, col, v[:, :, None, :])
             scores = (q.view(b, hkv, g, d) @ k_buf.transpose(-1, -2)) * scaling + bias[:, None, None, :]
             probs = scores.float().softmax(dim=-1).to(v_buf.dtype)
             h = h + F.linear((probs @ v_buf).reshape(b, hq * d), o_w, o_b)
-            x = _rms(h, ln2, eps)
-            if isinstance(gu_w, tuple):
-                gate, up = (F.linear(x, w, bb) for w, bb in zip(gu_w, gu_b))
-            else:
-                gate, up = F.linear(x, gu_w, gu_b).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, down_w, down_b)
+            h = h + _mlp(_rms(h, ln2, eps), gu_w, gu_b, down_w, down_b)
         return F.linear(_rms(h, norm, eps), head, head_bias).float()
 
     return step
@@ -150,32 +162,21 @@ def _make_prefill(shape: dict[str, Any]) -> Callable:
     hq, hkv, d, eps, scaling = shape["hq"], shape["hkv"], shape["head_dim"], shape["eps"], shape["scaling"]
     g, qk_norm, scale_rope = hq // hkv, shape["qk_norm"], shape["rope_scaling"]
 
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
     def prefill(ids, pos, bias, past_keys, past_values, layers, embed, norm, head, head_bias, inv_freq):
         b, n = ids.shape
         h = F.embedding(ids, embed)
-        freqs = pos[..., None].float() * inv_freq.float()
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * scale_rope).to(h.dtype)[:, :, None, :]
-        sin = (emb.sin() * scale_rope).to(h.dtype)[:, :, None, :]
+        cos, sin = _rope(pos, inv_freq, scale_rope, h.dtype)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         bias = bias[:, None]  # [B, 1, L, P+L]: every head
         keys, values = [], []
         for (ln1, qkv_w, qkv_b, qk_norm_w, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), k_past, v_past in zip(
             layers, past_keys, past_values
         ):
-            x = _rms(h, ln1, eps)
-            if isinstance(qkv_w, tuple):
-                q, k, v = (F.linear(x, w, bb) for w, bb in zip(qkv_w, qkv_b))
-                qk = torch.cat([q, k], dim=-1)
-            else:
-                qk, v = F.linear(x, qkv_w, qkv_b).split([(hq + hkv) * d, hkv * d], dim=-1)
+            qk, v = _qk_v(_rms(h, ln1, eps), qkv_w, qkv_b, (hq + hkv) * d, hkv * d)
             qk, v = qk.reshape(b, n, hq + hkv, d), v.reshape(b, n, hkv, d)
             if qk_norm:
                 qk = _rms(qk, qk_norm_w, eps)
-            q, k = rotate(qk, cos, sin).split([hq, hkv], dim=2)
+            q, k = _rotate(qk, cos, sin).split([hq, hkv], dim=2)
             k_all = torch.cat([k_past, k.transpose(1, 2)], dim=2)  # [B, hkv, P+L, d]
             v_all = torch.cat([v_past, v.transpose(1, 2)], dim=2)
             keys.append(k_all)
@@ -185,12 +186,7 @@ def _make_prefill(shape: dict[str, Any]) -> Callable:
             )
             att = att.transpose(1, 2).reshape(b, n, hq * d)
             h = h + F.linear(att, o_w, o_b)
-            x = _rms(h, ln2, eps)
-            if isinstance(gu_w, tuple):
-                gate, up = (F.linear(x, w, bb) for w, bb in zip(gu_w, gu_b))
-            else:
-                gate, up = F.linear(x, gu_w, gu_b).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, down_w, down_b)
+            h = h + _mlp(_rms(h, ln2, eps), gu_w, gu_b, down_w, down_b)
         return F.linear(_rms(h[:, -1], norm, eps), head, head_bias).float(), keys, values
 
     return prefill
