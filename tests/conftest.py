@@ -64,8 +64,10 @@ def pytest_runtest_setup(item):
     """Under xdist, a test of the heavy group and every process it starts run at nice 0, the other
     tests at nice ``LIGHT_NICE``: the light tests fill the cores the heavy one leaves idle instead of
     slowing it. (A first CI run with both workers at nice 0 had the README's verl run's held-out
-    evaluation time out on 41 % of its tool calls.) As root the niceness goes back to 0 for a heavy
-    test; elsewhere lowering it is refused, and the heavy group, collected first, ran before."""
+    evaluation time out on 41 % of its tool calls; the load only exposed it: the calculator counted
+    its wait for a sandbox worker in the tool timeout, fixed 2026-12-06.) As root the niceness goes
+    back to 0 for a heavy test; elsewhere lowering it is refused, and the heavy group, collected
+    first, ran before."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     group = item.get_closest_marker("xdist_group")
