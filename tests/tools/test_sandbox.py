@@ -317,6 +317,40 @@ def test_cache_hits_and_metric(loop) -> None:
         loop.run_until_complete(t2.close())
 
 
+def test_identical_calls_made_at_once_share_one_run_and_a_cancelled_caller_leaves_it_to_the_others(loop) -> None:
+    """A group's samples often send the same snippet at the same moment (37 of 83 calculator
+    calls in a bench_peers run): the sandbox runs it once and every caller reads that run's
+    result; the cache alone missed all of them (each started before the first had finished)."""
+    t = PythonTool(backend="unisolated", workers=4, preload=LIGHT)
+    code = "print(sum(i * i for i in range(200_000)))"
+    expected = f"{sum(i * i for i in range(200_000))}\n"
+
+    async def four_at_once() -> list[ToolResult]:
+        return list(await asyncio.gather(*(t.call({"code": code}) for _ in range(4))))
+
+    async def leader_cancelled() -> ToolResult:
+        other = "print(sum(i for i in range(300_000)))"
+        leader = asyncio.ensure_future(t.call({"code": other}))
+        await asyncio.sleep(0)  # the leader starts the run
+        follower = asyncio.ensure_future(t.call({"code": other}))
+        await asyncio.sleep(0)
+        leader.cancel()
+        return await follower
+
+    try:
+        loop.run_until_complete(t.start())
+        results = loop.run_until_complete(four_at_once())
+        assert [r.text for r in results] == [expected] * 4
+        assert sorted(r.metrics["cache_hit"] for r in results) == [0.0, 1.0, 1.0, 1.0]
+        assert sum(w.calls for w in t.pool.workers) == 1  # the sandbox's own count of runs
+        assert t.cache_stats()["hits"] == 3
+        r = loop.run_until_complete(leader_cancelled())
+        assert r.ok and r.text == f"{sum(range(300_000))}\n"
+        assert sum(w.calls for w in t.pool.workers) == 2
+    finally:
+        loop.run_until_complete(t.close())
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [

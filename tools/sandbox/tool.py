@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import re
@@ -46,6 +47,28 @@ _STATUS_TO_ERROR = {
     "output_cut": ErrorKind.OUTPUT_CUT,
     "sandbox": ErrorKind.SANDBOX,
 }
+
+
+class _Flight:
+    """A cacheable snippet's run in progress and the calls waiting on it. A waiter that is
+    cancelled leaves the run to the others; the last one to leave cancels it (as the snippet of a
+    cancelled call was always stopped)."""
+
+    def __init__(self, task: asyncio.Task[ToolResult]) -> None:
+        self.task = task
+        self.waiters = 0
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())  # never "unretrieved"
+
+    async def wait(self) -> ToolResult:
+        self.waiters += 1
+        try:
+            return await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            if self.waiters == 1 and not self.task.done():
+                self.task.cancel()
+            raise
+        finally:
+            self.waiters -= 1
 
 
 @dataclass
@@ -194,6 +217,7 @@ class PythonTool(Tool):
         self._sessions: dict[str, WorkerProcess] = {}
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._cache: collections.OrderedDict[tuple[str, float, int], ToolResult] = collections.OrderedDict()
+        self._inflight: dict[tuple[str, float, int], _Flight] = {}
         self.stats = SandboxStats()
         self.errors_by_kind: collections.Counter[str] = collections.Counter()
         self._finalizer = weakref.finalize(self, _kill_everything, self.pool, self._sessions)
@@ -279,23 +303,48 @@ class PythonTool(Tool):
             result = await self._call_session(session_id, code, limit)
         else:
             key = (code, limit, self.max_output_chars)
-            cacheable = self.use_cache and not _NONDETERMINISTIC.search(code)
-            if cacheable:
+            if self.use_cache and not _NONDETERMINISTIC.search(code):
                 self.stats.cache_lookups += 1
                 hit = self._cache.get(key)
-                if hit is not None:
+                if hit is None:
+                    flight = self._inflight.get(key)
+                    if flight is not None:  # the same snippet is running now: share its run
+                        shared = await flight.wait()
+                        if shared.error != ErrorKind.SANDBOX:  # an infrastructure failure is not shared
+                            hit = shared
+                else:
                     self._cache.move_to_end(key)
+                if hit is not None:
                     self.stats.cache_hits += 1
                     metrics = dict(hit.metrics, cache_hit=1.0, latency_ms=(time.perf_counter() - t0) * 1000.0)
                     return self._count(ToolResult(hit.text, hit.ok, hit.error, metrics))
-            result = await self._call_pool(code, limit)
-            if cacheable and result.error not in (ErrorKind.TIMEOUT, ErrorKind.SANDBOX):
-                self._cache[key] = result
-                if len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                flight = self._inflight[key] = _Flight(asyncio.ensure_future(self._run_cached(key, code, limit)))
+                ran = await flight.wait()
+                result = dataclasses.replace(ran, metrics=dict(ran.metrics))  # the cached one stays as it was
+            else:
+                result = await self._call_pool(code, limit)
         result.metrics["latency_ms"] = (time.perf_counter() - t0) * 1000.0
         result.metrics.setdefault("cache_hit", 0.0)
         return self._count(result)
+
+    async def _run_cached(self, key: tuple[str, float, int], code: str, limit: float) -> ToolResult:
+        """One run of a cacheable snippet, shared by the identical calls made while it runs (a
+        group's samples often call with the same code at once: 37 of 83 calculator calls in a
+        bench_peers run, 2026-12-06); its result enters the cache unless it timed out or failed
+        in the sandbox (both may be the load's doing, not the code's). A timeout is shared with
+        the calls that waited on this run (the same code under the same limit, at the same time);
+        a sandbox failure is not: each of those calls runs the snippet itself."""
+        try:
+            result = await self._call_pool(code, limit)
+        finally:
+            flight = self._inflight.get(key)
+            if flight is not None and flight.task is asyncio.current_task():
+                del self._inflight[key]
+        if result.error not in (ErrorKind.TIMEOUT, ErrorKind.SANDBOX):
+            self._cache[key] = result
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return result
 
     def _count(self, r: ToolResult) -> ToolResult:
         if r.error is not None:
