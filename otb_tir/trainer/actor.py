@@ -99,7 +99,10 @@ def _stats(
     )
     lm = model.model if isinstance(model, TokenStatsModule) else model
     chunk = chunk_at_most(s.token_stats_chunk, lm.get_output_embeddings().weight.shape[0])
-    kw = dict(response_length=r, temperature=s.temperature, fused=s.fused_token_stats, chunk=chunk)
+    # only the policy's tokens are scored: tool-result tokens and the padding after a row's end are not
+    # (their statistics are 0, as every reader masks them by the response mask)
+    score = batch["response_mask"][rows][:, :r].to(device) if "response_mask" in batch else None
+    kw = dict(response_length=r, temperature=s.temperature, fused=s.fused_token_stats, chunk=chunk, score_mask=score)
     pack = None  # FSDP2's root (TokenStatsModule) runs padded rows
     with _autocast(device, s.autocast_dtype):
         if isinstance(model, TokenStatsModule):  # the FSDP2 root: the whole pass inside its forward

@@ -174,6 +174,7 @@ class TokenStatsModule(nn.Module):
         temperature: float = 1.0,
         fused: bool = True,
         chunk: int | None = None,
+        score_mask=None,
     ):
         from otb_tir.token_stats import token_stats_for_causal_lm
 
@@ -186,6 +187,7 @@ class TokenStatsModule(nn.Module):
             temperature=temperature,
             fused=fused,
             chunk=chunk,
+            score_mask=score_mask,
         )
         # fresh tensors, not views of one buffer: FSDP hooks its pre-backward on these outputs
         return st.log_probs.clone(), st.entropy.clone(), st.sum_pi_squared.clone()

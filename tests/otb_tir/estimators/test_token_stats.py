@@ -424,6 +424,48 @@ def test_causal_lm_matches_model_logits_and_grads(tied):
             torch.testing.assert_close(g[k], g_ref[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_score_mask_scores_only_the_policy_tokens_with_the_same_values_and_gradients(shared_prompt):
+    """The actor scores only response-mask tokens (tool results and the padding after a row's end
+    are skipped): at those tokens the statistics and the gradients of any loss over them are the
+    full pass's (the model's own logits are the oracle), elsewhere the statistics are 0."""
+    model = _tiny_qwen3(True)
+    input_ids, attention_mask, position_ids = _batch()
+    if shared_prompt:  # rows 0 and 2 are one group's samples: packing sends their prompt once
+        input_ids[2, :7] = input_ids[0, :7]
+    r, temp = 9, 0.8
+    score = torch.ones(3, r, dtype=torch.long)
+    score[0, 2:5] = 0  # a tool result in the middle of row 0's response
+    score[1, 6:] = 0
+    score[2, -2:] = 0  # row 2's padding
+    coef = torch.randn(3, 3, r, generator=torch.Generator().manual_seed(13))
+
+    def grads_of(stats: TokenStats):
+        loss = (torch.stack(list(stats)) * coef * score).sum()
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    want = ref_stats(logits[:, -r - 1 : -1].float(), input_ids[:, -r:], temp)
+    g_ref = grads_of(want)
+    for fused, packed in ((True, True), (True, False), (False, False)):
+        kw = dict(fused=fused, chunk=5, packed=packed, score_mask=score)
+        got = token_stats_for_causal_lm(model, input_ids, attention_mask, position_ids, r, temp, **kw)
+        for t, w in zip(got, want):
+            assert t.shape == (3, r)
+            torch.testing.assert_close(t[score == 1].double(), w[score == 1].double(), atol=2e-5, rtol=1e-5)
+            assert bool((t[score == 0] == 0).all())
+        g = grads_of(got)
+        for k in g_ref:
+            torch.testing.assert_close(g[k], g_ref[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    with pytest.raises(ConfigError, match="score_mask"):
+        token_stats_for_causal_lm(model, input_ids, attention_mask, position_ids, r, score_mask=score[:, 1:])
+    # nothing to score: every position is scored as without a mask (a loss over none still has a graph)
+    none = token_stats_for_causal_lm(model, input_ids, attention_mask, position_ids, r, temp, score_mask=score * 0)
+    assert_stats_close(none, want, atol=2e-5, rtol=1e-5)
+
+
 def test_causal_lm_bf16_fused_matches_unfused():
     model = _tiny_qwen3(False, torch.bfloat16)
     input_ids, attention_mask, position_ids = _batch()
