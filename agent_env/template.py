@@ -23,11 +23,15 @@ Token bookkeeping (what the trainer relies on):
 
 from __future__ import annotations
 
+import collections
+import json
 from typing import Any, Literal, Mapping, Sequence
 
 from agent_env import EnvError
 
 __all__ = ["ChatTemplate", "describe_mismatch"]
+
+_PROMPTS_KEPT = 256  # conversations whose prompt tokens ChatTemplate.prompt_ids remembers
 
 
 class ChatTemplate:
@@ -64,6 +68,7 @@ class ChatTemplate:
             self.stop_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
         self.closing = self._assistant_closing()
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ text <-> tokens
 
@@ -117,8 +122,22 @@ class ChatTemplate:
         return ids
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The tokens of the conversation so far followed by the assistant header (round-trip checked)."""
-        return self.encode_exact(self.render(messages, add_generation_prompt=True), "prompt")
+        """The tokens of the conversation so far followed by the assistant header (round-trip checked).
+        Remembered for the last few conversations: a group's ``n`` samples start from the same prompt
+        (the render and encode ran once per sample before, ~0.4 ms each on the built-in template)."""
+        try:
+            key = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError):  # not plain JSON data: rendered each time
+            return self.encode_exact(self.render(messages, add_generation_prompt=True), "prompt")
+        ids = self._prompts.get(key)
+        if ids is None:
+            ids = self.encode_exact(self.render(messages, add_generation_prompt=True), "prompt")
+            self._prompts[key] = ids
+            if len(self._prompts) > _PROMPTS_KEPT:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return list(ids)
 
     def is_end_token(self, token_id: int) -> bool:
         """A stop token or a special token: not part of what the model *wrote* in a turn."""

@@ -41,6 +41,29 @@ def test_closing_stop_ids_and_content_ids(tiny_tokenizer):
         tpl.initial_messages([])
 
 
+def test_prompt_ids_are_the_rendered_prompts_tokens_each_time_and_a_fresh_list(tiny_tokenizer):
+    """prompt_ids remembers recent conversations (a group's samples share one): what it returns is
+    always the template's rendering of *these* messages, encoded, and the caller's to change."""
+    tpl = ChatTemplate(tiny_tokenizer, SCHEMAS)
+    convs = [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2+2?"}],
+        [{"role": "user", "content": "What is 2+3?"}],
+    ]
+    for _ in range(3):
+        for messages in convs:
+            want = tpl.encode(tpl.render(messages, add_generation_prompt=True))
+            got = tpl.prompt_ids(messages)
+            assert got == want
+            got.append(-1)  # the caller's own list: the next call is unchanged
+    assert tpl.prompt_ids(convs[0]) == tpl.encode(tpl.render(convs[0], add_generation_prompt=True))
+    # a lossy tokenizer is refused on every call, not only the first
+    lossy = ChatTemplate(_LossyTokenizer(tiny_tokenizer), SCHEMAS)
+    for _ in range(2):
+        with pytest.raises(EnvError, match="does not round-trip the prompt"):
+            lossy.prompt_ids([{"role": "user", "content": "q"}])
+
+
 def test_a_tokenizer_without_template_or_eos_is_refused(tiny_tokenizer):
     with pytest.raises(EnvError, match="no chat template"):
         ChatTemplate(_tokenizer_with_template(tiny_tokenizer, None))
