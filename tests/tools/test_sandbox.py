@@ -337,6 +337,14 @@ def test_identical_calls_made_at_once_share_one_run_and_a_cancelled_caller_leave
         leader.cancel()
         return await follower
 
+    async def abandoned_then_called() -> ToolResult:
+        code = "print(sum(i for i in range(400_000)))"
+        only = asyncio.ensure_future(t.call({"code": code}))
+        await asyncio.sleep(0)  # its run starts
+        only.cancel()
+        await asyncio.sleep(0)  # its cancellation is handled: the run is being stopped
+        return await t.call({"code": code})
+
     try:
         loop.run_until_complete(t.start())
         results = loop.run_until_complete(four_at_once())
@@ -347,6 +355,10 @@ def test_identical_calls_made_at_once_share_one_run_and_a_cancelled_caller_leave
         r = loop.run_until_complete(leader_cancelled())
         assert r.ok and r.text == f"{sum(range(300_000))}\n"
         assert sum(w.calls for w in t.pool.workers) == 2
+        # the only caller cancelled stops the run; a call made just after runs the snippet itself,
+        # it neither joins the stopped run nor reads its cancellation
+        r = loop.run_until_complete(abandoned_then_called())
+        assert r.ok and r.text == f"{sum(range(400_000))}\n" and r.metrics["cache_hit"] == 0.0
     finally:
         loop.run_until_complete(t.close())
 

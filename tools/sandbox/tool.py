@@ -51,20 +51,27 @@ _STATUS_TO_ERROR = {
 
 class _Flight:
     """A cacheable snippet's run in progress and the calls waiting on it. A waiter that is
-    cancelled leaves the run to the others; the last one to leave cancels it (as the snippet of a
-    cancelled call was always stopped)."""
+    cancelled leaves the run to the others; the last one to leave stops it (as the snippet of a
+    cancelled call was always stopped), and the run is then *abandoned*: no call joins it."""
 
     def __init__(self, task: asyncio.Task[ToolResult]) -> None:
         self.task = task
         self.waiters = 0
+        self.abandoned = False
         task.add_done_callback(lambda t: None if t.cancelled() else t.exception())  # never "unretrieved"
 
-    async def wait(self) -> ToolResult:
+    async def wait(self) -> ToolResult | None:
+        """The run's result; None if the run was stopped while this call was not (it is then the
+        call's to run the snippet itself)."""
         self.waiters += 1
         try:
             return await asyncio.shield(self.task)
         except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and not me.cancelling():  # the run was stopped, not this call
+                return None
             if self.waiters == 1 and not self.task.done():
+                self.abandoned = True
                 self.task.cancel()
             raise
         finally:
@@ -308,9 +315,10 @@ class PythonTool(Tool):
                 hit = self._cache.get(key)
                 if hit is None:
                     flight = self._inflight.get(key)
-                    if flight is not None:  # the same snippet is running now: share its run
+                    if flight is not None and not flight.abandoned:  # the same snippet runs now: share it
                         shared = await flight.wait()
-                        if shared.error != ErrorKind.SANDBOX:  # an infrastructure failure is not shared
+                        # an infrastructure failure is not shared, nor a run stopped under this call
+                        if shared is not None and shared.error != ErrorKind.SANDBOX:
                             hit = shared
                 else:
                     self._cache.move_to_end(key)
@@ -320,6 +328,8 @@ class PythonTool(Tool):
                     return self._count(ToolResult(hit.text, hit.ok, hit.error, metrics))
                 flight = self._inflight[key] = _Flight(asyncio.ensure_future(self._run_cached(key, code, limit)))
                 ran = await flight.wait()
+                if ran is None:  # this call's own run was stopped from outside (the pool closing)
+                    ran = _sandbox_error("the run was stopped")
                 result = dataclasses.replace(ran, metrics=dict(ran.metrics))  # the cached one stays as it was
             else:
                 result = await self._call_pool(code, limit)
