@@ -398,6 +398,14 @@ def _batch(prompt_len=7, response_len=9, bsz=3, vocab=300):
     return input_ids, attention_mask, position_ids
 
 
+def _grads(model, stats: TokenStats, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The parameters' gradients of ``Σ weights × (log-prob, entropy, Σπ²)``."""
+    loss = (torch.stack(list(stats)) * weights).sum()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_causal_lm_matches_model_logits_and_grads(tied):
     model = _tiny_qwen3(tied)
@@ -406,10 +414,7 @@ def test_causal_lm_matches_model_logits_and_grads(tied):
     coef = torch.randn(3, input_ids.shape[0], r, generator=torch.Generator().manual_seed(12))
 
     def grads_of(stats: TokenStats):
-        loss = (torch.stack(list(stats)) * coef * attention_mask[:, -r:]).sum()
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        return {k: p.grad.clone() for k, p in model.named_parameters()}
+        return _grads(model, stats, coef * attention_mask[:, -r:])
 
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     want = ref_stats(logits[:, -r - 1 : -1].float(), input_ids[:, -r:], temp)
@@ -441,10 +446,7 @@ def test_score_mask_scores_only_the_policy_tokens_with_the_same_values_and_gradi
     coef = torch.randn(3, 3, r, generator=torch.Generator().manual_seed(13))
 
     def grads_of(stats: TokenStats):
-        loss = (torch.stack(list(stats)) * coef * score).sum()
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        return {k: p.grad.clone() for k, p in model.named_parameters()}
+        return _grads(model, stats, coef * score)
 
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     want = ref_stats(logits[:, -r - 1 : -1].float(), input_ids[:, -r:], temp)
