@@ -203,6 +203,7 @@ class HFEngine(RunningBatch):
             "prefix_hits": 0,  # requests prefilled on a finished request's keys/values
             "prefix_tokens": 0,  # tokens those requests did not feed again
             "prefill_rows_shared": 0,  # rows copied from a row with the same tokens in their prefill
+            "shared_prefix_tokens": 0,  # tokens rows of one prefill had in common, fed once for all of them
         }
         self._decoder = self._build_decoder(decode_step)
 

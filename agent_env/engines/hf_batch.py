@@ -27,6 +27,9 @@ import torch
 from agent_env.engines.base import EngineError
 from agent_env.engines.hf_sampling import Request
 
+#: tokens a prefill's rows must have in common for the common part to go through the model once
+#: (:meth:`RunningBatch._share_common_prefix`): a system prompt with its tool schemas is 100+
+SHARED_PREFIX_MIN = 32
 SLACK_COLUMNS = 64  # free columns a running batch's keys/values get past its last one (SlackLayer)
 
 
@@ -209,7 +212,38 @@ class RunningBatch:
         for r in reqs:
             hit = self._prefix.take(r.prompt_ids + r.out_ids, weights)  # never one when the cache is off
             group.append((r, *hit) if hit else (r, 0, [], None))
+        self.stats["prefix_hits"] += sum(1 for g in group if g[1])
+        self.stats["prefix_tokens"] += sum(g[1] for g in group)
+        if self._prefix.max_bytes:
+            group = self._share_common_prefix(group)
         self._prefill_group(group)
+
+    def _share_common_prefix(self, group: list[tuple]) -> list[tuple]:
+        """Rows prefilled from their first token whose sequences start alike (different prompts after
+        one system prompt and its tool schemas) get that common prefix's keys/values from one forward of
+        it, as if it were kept: only their own tokens then go through the model. At least
+        ``SHARED_PREFIX_MIN`` tokens in common and two distinct sequences, else ``group`` as it is."""
+        fresh = [i for i, g in enumerate(group) if not g[1]]
+        seqs = {tuple(group[i][0].prompt_ids + group[i][0].out_ids) for i in fresh}
+        if len(seqs) < 2:
+            return group  # one sequence (or none): its copies already go through the model once
+        first, *rest = seqs
+        n = min(len(s) for s in seqs) - 1  # every row keeps at least one token of its own to feed
+        for other in rest:
+            n = next((k for k in range(n) if first[k] != other[k]), n)
+        if n < SHARED_PREFIX_MIN:
+            return group
+        from transformers import DynamicCache
+
+        ids = torch.tensor([first[:n]], dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)[None]
+        _, cache = self._forward(ids, torch.ones_like(ids), pos, DynamicCache(config=self.model.config))
+        kv = [(layer.keys, layer.values) for layer in cache_layers(cache)]
+        mask = torch.ones(n, dtype=torch.long)
+        self.stats["prefills"] += 1
+        self.stats["prefilled_tokens"] += n
+        self.stats["shared_prefix_tokens"] += n * (len(seqs) - 1)
+        return [(g[0], n, kv, mask) if i in fresh else g for i, g in enumerate(group)]
 
     def _prefill_group(self, group: list[tuple]) -> None:
         from transformers import DynamicCache
@@ -254,8 +288,6 @@ class RunningBatch:
                 keys = torch.cat([kept_columns(i, w, layer, 0) for i, w in zip(rows, kept)])
                 values = torch.cat([kept_columns(i, w, layer, 1) for i, w in zip(rows, kept)])
                 cache.update(keys, values, layer)
-            self.stats["prefix_hits"] += sum(1 for g in group if g[1])
-            self.stats["prefix_tokens"] += sum(g[1] for g in group)
         logits, cache = self._forward(ids, mask, pos, cache)
         zero_padding(cache, mask)
         if p_width:  # close the gaps between kept and new columns: the row's columns, right-aligned

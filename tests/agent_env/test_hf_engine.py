@@ -528,6 +528,48 @@ def test_samples_of_one_prompt_are_prefilled_once(tiny_model_dir, tiny_model, pr
     run(eng.close())
 
 
+def test_prompts_after_one_system_prompt_feed_it_once_with_the_same_tokens_and_logprobs(
+    tiny_model_dir, tiny_model, tiny_tokenizer, prompts
+):
+    """Different prompts that start alike (one system prompt with tool schemas, then each its own
+    question) admitted together: the common part goes through the model once and each row only its
+    own tokens; every log-prob still equals an unpadded forward of its context, and the tokens are
+    those of an engine that feeds every prompt whole (prefix reuse off), seed for seed."""
+    system = "You are a careful assistant. Tools: calculator(expression), python(code). " * 4
+    fresh = [
+        tiny_tokenizer.encode(
+            tiny_tokenizer.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            add_special_tokens=False,
+        )
+        for q in ("What is 17 * 23?", "Solve 2x + 3 = 7.", "Compute 3/4 + 1/6, then double it.")
+    ]
+    common = next(k for k in range(min(map(len, fresh))) if len({p[k] for p in fresh}) > 1)
+    assert common >= 32
+    eng, whole = HFEngine(tiny_model_dir), HFEngine(tiny_model_dir, prefix_cache_bytes=0)
+    first = run(gen_all(eng, prompts[:1], SamplingParams(max_tokens=6, temperature=0.0)))
+    mixed = [*fresh, *fresh[:1], prompts[0] + first[0].token_ids + [17, 42, 99]]  # a copy, a next turn
+    params = [SamplingParams(max_tokens=10, temperature=0.9, seed=i) for i in range(len(mixed))]
+    before = dict(eng.stats)
+    outs = run(gen_all(eng, mixed, params))
+    ref_outs = run(gen_all(whole, mixed, params))
+    assert eng.stats["shared_prefix_tokens"] - before["shared_prefix_tokens"] == common * 2  # 3 prompts, fed once
+    assert eng.stats["prefix_hits"] - before["prefix_hits"] == 1  # the next turn's own kept keys/values
+    assert eng.stats["prefilled_tokens"] - before["prefilled_tokens"] == (
+        common + sum(len(p) - common for p in fresh) + 4
+    )  # the next turn feeds its last sampled token (never fed while it was sampled) and the 3 added
+    assert whole.stats["shared_prefix_tokens"] == 0
+    for prompt, out, ref_out in zip(mixed, outs, ref_outs):
+        assert out.token_ids == ref_out.token_ids
+        ref = teacher_forced(tiny_model, prompt, out.token_ids, 0.9)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    run(eng.close())
+    run(whole.close())
+
+
 def test_kept_keys_and_values_are_never_used_after_the_weights_change(tiny_model_factory, prompts):
     """Shared weights changed in place (an optimizer step) without update_weights: the kept entries
     are stale, so the next turn is prefilled in full and matches the new weights."""
