@@ -278,7 +278,8 @@ def token_stats_for_causal_lm(
     also be :func:`pack_rows`' result for these rows, used as it is.
 
     ``score_mask`` (``[B, response_length]``, bool or 0/1): score only these tokens; the others'
-    statistics are 0. The actor passes the response mask: tool-result tokens and the padding after a
+    statistics are 0 (a mask with no token scores every token, as without one: a loss over none of
+    them keeps its graph). The actor passes the response mask: tool-result tokens and the padding after a
     row's end are never scored (they were: the LM head and its backward ran on all ``B × R`` positions,
     about 3× the policy tokens of a tool-using batch).
     """
