@@ -278,6 +278,8 @@ class AgentEnv:
     ) -> Trajectory:
         """Run one episode with ``engine`` and return its :class:`Trajectory`."""
         t_start = time.perf_counter()
+        if self.scorer is not None:  # the math-verify helper starts now, not at the first answer it must compare
+            self.scorer.prewarm()
         ep = self._start(prompt, uid, sample_index)
         finish: str | None = None
         try:

@@ -26,6 +26,12 @@ and the run goes on. A hung thread cannot be killed: it is abandoned, and after
 :data:`MAX_ABANDONED` of them further calls of that function fail at once (``stuck``) instead of
 piling up threads. A function that fails to *import* is an :class:`~agent_env.EnvError` when the
 scorer is built, at the start of the run, naming the file and the error.
+
+**Off the episode's thread.** The built-in ``math`` compares answers with math-verify in a helper
+process (:mod:`agent_env.math_task.verify`, bounded there); :class:`RewardScorer` calls it from one
+thread of its own (:func:`math_thread`), so an episode awaiting a comparison (0.2 s for some
+model-written junk) does not stop the event loop, and with it the local trainer's engine and every
+other episode. :meth:`RewardScorer.prewarm` starts that thread's helper when an episode starts.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import math
+import os
 import re
 import string
 import threading
@@ -62,6 +69,20 @@ __all__ = [
 #: hung calls of one function abandoned before its further calls fail at once (``stuck``)
 MAX_ABANDONED = 8
 ERROR_KINDS = ("timeout", "exception", "nan", "not_a_number", "stuck")
+
+
+_MATH_THREAD: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_MATH_LOCK = threading.Lock()
+
+
+def math_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread (per process) that runs the built-in ``math`` reward for :class:`RewardScorer`:
+    its math-verify helper process is that thread's (one helper, comparisons in order)."""
+    global _MATH_THREAD
+    with _MATH_LOCK:
+        if _MATH_THREAD is None or _MATH_THREAD[0] != os.getpid():  # none yet, or inherited by a fork
+            _MATH_THREAD = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="math-reward"))
+        return _MATH_THREAD[1]
 
 
 def reward_error_counts(trajs: Any) -> dict[str, float]:
@@ -237,6 +258,7 @@ class RewardScorer:
         self.default_spec = custom or c.name or default or "math"
         self.by_source = {str(k): str(v) for k, v in (c.per_data_source or {}).items()}
         self._fns: dict[str, _Bounded] = {}
+        self._prewarmed = False
         self.resolved: dict[str, dict[str, str]] = {}
         for where, spec in [("default", self.default_spec)] + [
             (f"data_source {k}", v) for k, v in self.by_source.items()
@@ -255,6 +277,17 @@ class RewardScorer:
             return None
         return found if isinstance(found, str) and found else None
 
+    def prewarm(self) -> None:
+        """Start the math-verify helper process of :func:`math_thread` now, without waiting, when a
+        reward in use is the built-in ``math`` (its comparisons run there; see
+        :mod:`agent_env.math_task.verify`). The episode calls this when it starts; once per scorer."""
+        if self.default_spec == "math" or "math" in self.by_source.values():
+            from agent_env.math_task.verify import prewarm
+
+            if not self._prewarmed:
+                self._prewarmed = True
+                math_thread().submit(prewarm)
+
     def spec_for(self, data_source: Any) -> str:
         return self.by_source.get(str(data_source), self.default_spec) if data_source is not None else self.default_spec
 
@@ -272,7 +305,8 @@ class RewardScorer:
         c = self.config
         spec = self.spec_for(data_source)
         if spec == "math":  # the built-in: its own settings and shaping, already bounded (a helper process)
-            return math_reward(text, ground_truth, config=c, num_successful_tool_calls=n_ok)
+            fut = math_thread().submit(math_reward, text, ground_truth, config=c, num_successful_tool_calls=n_ok)
+            return await asyncio.wrap_future(fut)
         info = dict(extra_info or {})
         info.update(num_successful_tool_calls=n_ok, extracted_answer=self._extracted(text))
         value, kind, message = await self._fns[spec]((data_source, text, ground_truth, info), float(c.timeout_seconds))

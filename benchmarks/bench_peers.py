@@ -170,12 +170,17 @@ def solution_text(tokenizer: Any, completion_ids: Sequence[int], pattern: re.Pat
 
 def make_reward(tokenizer: Any):
     """TRL reward function: the project's ``math`` reward (``agent_env.rewards.math_score``, the
-    reward our episode applies to the arith task) on :func:`solution_text`."""
+    reward our episode applies to the arith task) on :func:`solution_text`. Its math-verify helper
+    process starts here, as our episode starts its own when a rollout begins (so neither trainer
+    waits ~0.6 s for it inside a timed step)."""
+    from agent_env.math_task.verify import prewarm
     from agent_env.rewards import math_score
 
     pattern = tool_block_pattern(tokenizer)
+    prewarm()
 
     def arith_math_reward(prompts, completions, completion_ids, ground_truth, data_source, **_: Any) -> list[float]:
+        prewarm()  # the calling thread's helper (no-op once it runs)
         return [
             float(math_score(ds, solution_text(tokenizer, ids, pattern), gt)["score"])
             for ids, gt, ds in zip(completion_ids, ground_truth, data_source)

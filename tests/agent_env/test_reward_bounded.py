@@ -114,6 +114,24 @@ def test_a_hung_comparison_is_abandoned_and_the_next_one_works():
     assert hung == (False, "timeout") and after == (True, "math_verify")
 
 
+def test_prewarm_starts_the_helper_without_waiting_and_the_first_comparison_uses_it():
+    from agent_env.math_task import verify
+
+    def scenario():
+        verify.prewarm()
+        child = verify._LOCAL.child
+        started = (child.proc is not None and child.proc.poll() is None, child.ready)  # spawned, not awaited
+        pid = child.proc.pid
+        verify.prewarm()  # again: nothing new
+        same = child.proc.pid == pid
+        got = answers_match("\\frac{2}{4}", "\\sqrt{1/4}", timeout_seconds=TIMEOUT)
+        return started, same, got, child.ready, child.proc.pid == pid
+
+    started, same, got, ready, served_by_it = in_thread(scenario)
+    assert started == (True, False) and same
+    assert got == (True, "math_verify") and ready and served_by_it
+
+
 EQUIVALENT = [
     ("1/2", "0.5"),
     ("0.5", "\\frac{1}{2}"),

@@ -234,3 +234,62 @@ def test_exact_match_and_f1_against_a_brute_force_oracle(pred, gold):
     )
     assert math.isclose(f1(None, f"\\boxed{{{p}}}", g)["score"], expected)
     assert f1(None, f"\\boxed{{{p}}}", [g, p])["score"] == (1.0 if pn else 0.0)  # the best of several golds
+
+
+def test_the_built_in_math_reward_does_not_stop_the_event_loop_while_it_compares():
+    """The math-verify comparison runs on the scorer's own thread: other coroutines (the local
+    trainer's engine, the other episodes) run while an episode awaits it. Before, the call blocked
+    the loop until the helper process answered (0.2 s for some model-written junk)."""
+    scorer = RewardScorer(RewardConfig())
+
+    async def main():
+        ticks, done = 0, False
+
+        async def ticker():
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        res = await scorer.score_row(None, "so \\boxed{\\frac{2}{4}}", "\\sqrt{1/4}")
+        during = ticks - before
+        done = True
+        await task
+        return res, during
+
+    res, during = asyncio.run(main())
+    assert res.reward == 1.0 and res.details["comparison"] == "math_verify"
+    assert during > 0  # the loop ran the ticker while the comparison was in flight
+
+
+def test_an_episode_starts_the_math_helper_before_any_answer_needs_it(tiny_tokenizer):
+    """The helper process (~0.6 s to import math-verify) starts when an episode starts, on the
+    scorer's thread, even when no answer of the episode needs it (a plain number is compared
+    without it): the first answer that does need it, perhaps steps later, does not wait for it."""
+    import tools
+    from agent_env.math_task import verify
+    from agent_env.rewards import math_thread
+
+    def drop_helper():
+        child = getattr(verify._LOCAL, "child", None)
+        if child is not None:
+            child.kill()
+
+    def helper():
+        child = getattr(verify._LOCAL, "child", None)
+        return None if child is None or child.proc is None or child.proc.poll() is not None else child.proc.pid
+
+    math_thread().submit(drop_helper).result()
+    assert math_thread().submit(helper).result() is None
+    calc = tools.get_tool("calculator")
+    env = AgentEnv(tiny_tokenizer, {"calculator": calc}, EpisodeConfig(response_length=64, max_tokens_per_turn=32))
+    traj = run_sync(env.run(ScriptedEngine(tiny_tokenizer, ["\\boxed{12}"]), "What is 3*4?", ground_truth="12"))
+    assert traj.reward_details["comparison"] == "fraction"  # no math-verify needed
+    pid = math_thread().submit(helper).result()
+    assert pid is not None  # yet the helper runs
+    res = run_sync(RewardScorer(RewardConfig()).score_row(None, "\\boxed{\\frac{2}{4}}", "\\sqrt{1/4}"))
+    assert res.details["comparison"] == "math_verify" and math_thread().submit(helper).result() == pid
+    run_sync(calc.close())
