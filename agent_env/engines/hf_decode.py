@@ -9,8 +9,9 @@ token's keys/values written in place into the running batch's KV buffers
 (:func:`agent_env.engines.hf_batch.slack_layer_class`), attention as two batched products over
 the whole buffers with the columns past the token masked (so their shapes change only when they
 grow, every 64 columns) when compiled, over views of the filled columns when eager, no cache objects,
-the RMSNorm weights folded into the projections after them, the rotary halves swapped by one flip. ``compiled=True`` puts it through ``torch.compile`` (inductor,
-shapes dynamic so rows joining and leaving and the growing width do not recompile); the first call
+the RMSNorm weights folded into the projections after them, the rotary halves swapped by one flip.
+``compiled=True`` puts it through ``torch.compile`` (inductor, shapes dynamic so rows joining and
+leaving and the growing width do not recompile); the first call
 compiles (its seconds are in :attr:`FusedDecoder.compile_s`), torch keeps the result in its on-disk
 cache for the next process.
 
