@@ -361,9 +361,7 @@ class FusedDecoder:
             raise EngineError("the running batch's KV layers and its mask disagree on the width")
         col = torch.tensor([t], device=mask.device)
         w = self.weights()
-        if (
-            eager or ids.shape[0] < 2 or not self.compiled
-        ):  # compiled code is traced for 2+ rows (torch specializes on 1)
+        if eager or ids.shape[0] < 2 or not self.compiled:  # compiled code is traced for 2+ rows
             # eager: views of the filled columns (attention reads t + 1 columns, not the whole capacity)
             bias = torch.zeros(mask.shape, dtype=keys[0].dtype, device=mask.device).masked_fill_(
                 mask == 0, float("-inf")
