@@ -281,12 +281,12 @@ class RewardScorer:
         """Start the math-verify helper process of :func:`math_thread` now, without waiting, when a
         reward in use is the built-in ``math`` (its comparisons run there; see
         :mod:`agent_env.math_task.verify`). The episode calls this when it starts; once per scorer."""
-        if self.default_spec == "math" or "math" in self.by_source.values():
-            from agent_env.math_task.verify import prewarm
+        if self._prewarmed or not (self.default_spec == "math" or "math" in self.by_source.values()):
+            return
+        from agent_env.math_task.verify import prewarm
 
-            if not self._prewarmed:
-                self._prewarmed = True
-                math_thread().submit(prewarm)
+        self._prewarmed = True
+        math_thread().submit(prewarm)
 
     def spec_for(self, data_source: Any) -> str:
         return self.by_source.get(str(data_source), self.default_spec) if data_source is not None else self.default_spec

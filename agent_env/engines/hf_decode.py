@@ -113,9 +113,13 @@ def _rope(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.
     """cos and sin of positions ``pos`` (any shape), with a trailing rotary dimension; the sin's
     first half negated (what :func:`_rotate` multiplies the swapped halves by)."""
     freqs = pos[..., None].float() * inv_freq.float()
-    emb = torch.cat([freqs, freqs], dim=-1)
-    sin = torch.cat([-freqs, freqs], dim=-1).sin()
-    return (emb.cos() * scale).to(dtype), (sin * scale).to(dtype)
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale  # each half once
+    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
+
+
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention bias of a 0/1 column mask: 0 where it keeps a column, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, float("-inf"))
 
 
 def _qk_v(x: torch.Tensor, qkv_w: Any, qkv_b: Any, qk_width: int, v_width: int) -> tuple:
@@ -220,7 +224,7 @@ def prefill_bias(mask: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tens
     cols = torch.arange(width, device=mask.device)
     rows = torch.arange(new, device=mask.device)[:, None] + past
     allowed = (mask[:, None, :] != 0) & (cols[None, None, :] <= rows[None]) | (cols[None, None, :] == rows[None])
-    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
+    return _bias(allowed, dtype)
 
 
 class FusedDecoder:
@@ -363,9 +367,7 @@ class FusedDecoder:
         w = self.weights()
         if eager or ids.shape[0] < 2 or not self.compiled:  # compiled code is traced for 2+ rows
             # eager: views of the filled columns (attention reads t + 1 columns, not the whole capacity)
-            bias = torch.zeros(mask.shape, dtype=keys[0].dtype, device=mask.device).masked_fill_(
-                mask == 0, float("-inf")
-            )
+            bias = _bias(mask, keys[0].dtype)
             view = [k[:, :, : t + 1] for k in keys], [v[:, :, : t + 1] for v in values]
             out = self._eager(ids, pos, col, bias, *view, *w)
         else:
@@ -374,9 +376,7 @@ class FusedDecoder:
             # guards on them (recompiling every time the buffers grow)
             full = mask.new_zeros((mask.shape[0], cap))
             full[:, : t + 1] = mask
-            bias = torch.zeros(full.shape, dtype=keys[0].dtype, device=mask.device).masked_fill_(
-                full == 0, float("-inf")
-            )
+            bias = _bias(full, keys[0].dtype)
             args = (ids, pos, col, bias, keys, values, *w)
             if self.compile_s is None:
                 t0 = time.perf_counter()
