@@ -24,6 +24,8 @@ from tools.sandbox import PythonTool
 from tools.sandbox.host_worker import _pid_running
 
 BACKEND = "bwrap" if HAVE_BWRAP else "unisolated"
+# a hang guard: the slowest test here takes ~7 s; a hang costs CI this much, not the global 900 s
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
@@ -207,6 +209,53 @@ def test_close_during_the_start_stops_the_workers_it_launched(loop):
     result = loop.run_until_complete(scenario())
     assert not result.ok  # an error observation, never an exception
     assert t.pool.workers == [] and t.pool._start_task is None
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if marker in cmdline and _pid_running(int(name)):
+            found.append(int(name))
+    return found
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap's race: its child asks to die with its parent after the fork")
+def test_a_start_cancelled_at_any_point_ends_and_leaves_no_process(loop):
+    """A worker's start cancelled at any point (a caller's timeout, close() during the start)
+    ends and leaves nothing running. Cancelled while asyncio connected the pipes, it used to
+    hang for good (CI, 2026-12-06, 900 s in the test above): asyncio SIGKILLed bwrap in the
+    middle of its setup, bwrap's child had not yet asked to die with its parent and lived on,
+    orphaned, holding the stdout pipe, and asyncio waited for that pipe to close. Before the fix
+    this loop hung in 2 to 13 of every 40 starts."""
+    t = PythonTool(backend=BACKEND, workers=1, preload=LIGHT, cache=False, timeout=5.0)
+
+    async def cancelled_start(turns: int):
+        w = t.pool._new_worker()
+        task = asyncio.ensure_future(w.start())
+        for _ in range(turns):  # the cancel lands after this many turns of the loop
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10.0)
+        if done and not task.cancelled() and task.exception() is None:
+            await w.kill()  # it had started before the cancel landed
+        return w, bool(done)
+
+    for i in range(40):
+        w, ended = loop.run_until_complete(cancelled_start(1 + i % 4))
+        assert ended, f"start #{i}, cancelled after {1 + i % 4} loop turns, did not end"
+        marker = f'"uid": {w.cfg["uid"]},'  # each worker's own uid, on its command line
+        deadline = time.monotonic() + 5.0
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_with(marker) == [], f"start #{i} left its processes running"
 
 
 SLEEP = "import time\ntime.sleep({s})\nprint('done')"

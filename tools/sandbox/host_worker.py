@@ -20,6 +20,7 @@ import select
 import shutil
 import signal
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +43,19 @@ class WorkerDied(Exception):
         self.hung = hung
 
 
-def _pid_running(pid: int) -> bool:
-    """The process exists and is not a zombie (its exit may not have been reaped by asyncio yet)."""
+def _pid_state(pid: int) -> bytes:
+    """The process's state letter from /proc (b"R", b"S", b"T" stopped, b"Z" zombie …); b"X" if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
+        return b"X"
+    return stat[stat.rindex(b")") + 2 :][:1]
+
+
+def _pid_running(pid: int) -> bool:
+    """The process exists and is not a zombie (its exit may not have been reaped by asyncio yet)."""
+    return _pid_state(pid) not in (b"Z", b"X")
 
 
 @dataclass
@@ -123,8 +129,8 @@ class WorkerProcess:
         self.loop = asyncio.get_running_loop()
         self.cfg = self.backend.worker_config(self.base_cfg)
         cmd = self.backend.command(self.cfg)
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
+        launch = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
                 *cmd,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -132,6 +138,20 @@ class WorkerProcess:
                 env=_minimal_env(),
                 close_fds=True,
             )
+        )
+        try:
+            # shielded: a cancel that lands while asyncio connects the pipes would make asyncio
+            # SIGKILL the top process (bwrap) in the middle of its setup, orphaning a child that has
+            # not yet asked to die with it; that child keeps the stdout pipe open and asyncio waits for
+            # its exit forever. The launch finishes (a few loop turns) and kill() stops the tree.
+            self.proc = await asyncio.shield(launch)
+        except asyncio.CancelledError:
+            try:
+                self.proc = await launch
+            except OSError:
+                raise asyncio.CancelledError() from None
+            await self.kill()
+            raise
         except OSError as e:
             raise WorkerDied(f"{self.name} could not be launched ({cmd[0]}: {e})") from e
         self._open_pidfd()
@@ -140,6 +160,9 @@ class WorkerProcess:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             await self.kill()
             raise WorkerDied(f"{self.name} did not start ({type(e).__name__}); command: {' '.join(cmd[:3])} …") from e
+        except asyncio.CancelledError:
+            await self.kill()
+            raise
         if ready.get("op") != "ready":
             await self.kill()
             raise WorkerDied(f"{self.name} sent {ready!r} instead of ready")
@@ -239,20 +262,17 @@ class WorkerProcess:
     async def kill(self) -> None:
         """Hard stop. The sandbox's own processes are killed first (bwrap's pid-namespace init,
         or the fallback worker's children) so that their parents reap them: killing the top
-        process first would leave zombies for the host's init to collect."""
+        process first would leave zombies for the host's init to collect. The top process is
+        stopped meanwhile (see :func:`_kill_children`)."""
         proc = self.proc
         if proc is None:
             return
         if proc.returncode is None:
-            for pid in _children(proc.pid):
+            if _kill_children(proc.pid, self._pidfd):
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
+                    await asyncio.wait_for(proc.wait(), 1.0)
+                except asyncio.TimeoutError:
                     pass
-            try:
-                await asyncio.wait_for(proc.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
         if proc.returncode is None:
             try:
                 proc.kill()
@@ -268,11 +288,11 @@ class WorkerProcess:
     def kill_sync(self) -> None:
         """Kill from outside the event loop (e.g. the loop is already closed)."""
         if self.proc is not None and self.proc.returncode is None:
-            for pid in [*_children(self.proc.pid), self.proc.pid]:  # inner first: see kill()
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_children(self.proc.pid, self._pidfd)  # inner first: see kill()
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._close_pidfd()
         self._cleanup_scratch()
 
@@ -305,6 +325,44 @@ def _parents() -> dict[int, list[int]]:
 def _children(pid: int) -> list[int]:
     """Direct children of ``pid`` (from /proc)."""
     return _parents().get(pid, [])
+
+
+def _kill_children(pid: int, pidfd: int | None = None) -> bool:
+    """SIGKILL the direct children of ``pid`` (bwrap's pid-namespace init, or the fallback
+    worker's forks); True if there were any, and ``pid`` goes on to reap them. ``pid`` is
+    stopped while they are listed and killed, so that it cannot start one in between: bwrap
+    killed just before its child asked the kernel to die with its parent would leave that child
+    running, orphaned, holding the worker's pipes. Where it had none, ``pid`` is killed while
+    still stopped (so it never starts one) and False is returned. ``pidfd`` (the worker's, if
+    open) signals that very process even if it was reaped and its pid reused meanwhile."""
+
+    def signal_top(sig: int) -> None:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, sig)
+        else:
+            os.kill(pid, sig)
+
+    try:
+        signal_top(signal.SIGSTOP)
+    except OSError:
+        return False
+    # the signal takes effect when the process next leaves the kernel: a clone(2) under way when
+    # it was sent still completes (only a fatal signal cancels one), so list the children only
+    # once the process is seen stopped (microseconds; bounded at 0.5 s)
+    deadline = time.monotonic() + 0.5
+    while _pid_state(pid) not in (b"T", b"t", b"Z", b"X") and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    kids = _children(pid)
+    for kid in kids:
+        try:
+            os.kill(kid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        signal_top(signal.SIGCONT if kids else signal.SIGKILL)
+    except OSError:
+        pass
+    return bool(kids)
 
 
 def descendants(pid: int) -> list[int]:
