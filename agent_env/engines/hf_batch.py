@@ -105,8 +105,9 @@ def slack_layer_class() -> type:
                 """Buffers holding the ``t`` filled columns with room for ``n`` more after them
                 (reallocated when full or when ``keys``/``values`` were replaced from outside), and ``t``."""
                 t = self.keys.shape[-2]
-                bufs = self.buffers()
-                if bufs is None or bufs[0].shape[-2] < t + n:
+                views, bufs = self._views, self._bufs  # set together: views of bufs' first columns
+                ours = views is not None and views[0] is self.keys and views[1] is self.values
+                if not ours or bufs[0].shape[-2] < t + n:
                     # zeros, not empty: the free columns are masked, and 0 × NaN would still be NaN
                     bufs = tuple(
                         old.new_zeros((*old.shape[:-2], t + n + SLACK_COLUMNS, old.shape[-1]))
@@ -117,21 +118,6 @@ def slack_layer_class() -> type:
                     self._bufs = bufs
                     self._views = (self.keys, self.values) = (bufs[0][..., :t, :], bufs[1][..., :t, :])
                 return bufs[0], bufs[1], t
-
-            @classmethod
-            def over(cls, key_buf: torch.Tensor, value_buf: torch.Tensor, t: int) -> "SlackLayer":
-                """A layer whose keys/values are the first ``t`` columns of these buffers (the
-                columns after them free: zeros, as :meth:`reserve` makes them)."""
-                layer = cls(key_buf[..., :t, :], value_buf[..., :t, :])
-                layer._bufs, layer._views = (key_buf, value_buf), (layer.keys, layer.values)
-                return layer
-
-            def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-                """The buffers ``keys``/``values`` are views of (None if they were replaced from outside)."""
-                views = self._views
-                if views is not None and views[0] is self.keys and views[1] is self.values:
-                    return self._bufs
-                return None
 
             def advance(self, n: int) -> None:
                 """Take ``n`` more columns of the buffers (written by the caller) into ``keys``/``values``."""
@@ -200,20 +186,13 @@ class RunningBatch:
         assert self._mask is not None and self._next is not None and self._pos is not None
         t_old, t_new = self._mask.shape[1], mask.shape[1]
         width = max(t_old, t_new)
-        b_old = self._mask.shape[0]
-        layers, new_layers = cache_layers(self._cache), cache_layers(cache)
-        slack = slack_layer_class()
-        for i, (old, new) in enumerate(zip(layers, new_layers)):
-            # each side copied once, left-padded, into buffers with free columns after the last one:
-            # the next decode step writes there (padding, concatenating, then re-buffering copied the
-            # whole running batch three times)
-            bufs = []
-            for a, b in ((old.keys, new.keys), (old.values, new.values)):
-                buf = a.new_zeros((b_old + b.shape[0], a.shape[1], width + SLACK_COLUMNS, a.shape[3]))
-                buf[:b_old, :, width - t_old : width].copy_(a)
-                buf[b_old:, :, width - t_new : width].copy_(b)
-                bufs.append(buf)
-            layers[i] = slack.over(*bufs, width)
+        old_layers, new_layers = cache_layers(self._cache), cache_layers(cache)
+        for old, new in zip(old_layers, new_layers):
+            for name in ("keys", "values"):
+                a, b = getattr(old, name), getattr(new, name)
+                a = torch.nn.functional.pad(a, (0, 0, width - t_old, 0))
+                b = torch.nn.functional.pad(b, (0, 0, width - t_new, 0))
+                setattr(old, name, torch.cat([a, b], dim=0))
         self._mask = torch.cat(
             [
                 torch.nn.functional.pad(self._mask, (width - t_old, 0)),
@@ -378,17 +357,9 @@ class RunningBatch:
         # Trim left columns that are padding for every remaining row.
         live = mask.any(dim=0).nonzero()
         start = int(live[0]) if len(live) else 0
-        layers = cache_layers(self._cache)
-        slack = slack_layer_class()
-        for i, layer in enumerate(layers):
-            t = layer.keys.shape[-2]
-            bufs = layer.buffers() if isinstance(layer, slack) else None
-            if bufs is None:
-                layer.keys = layer.keys.index_select(0, idx)[:, :, start:, :]
-                layer.values = layer.values.index_select(0, idx)[:, :, start:, :]
-            else:  # the kept rows' columns from ``start`` with the free ones after them: one copy
-                k, v = (buf[:, :, start:].index_select(0, idx) for buf in bufs)
-                layers[i] = slack.over(k, v, t - start)
+        for layer in cache_layers(self._cache):
+            layer.keys = layer.keys.index_select(0, idx)[:, :, start:, :]
+            layer.values = layer.values.index_select(0, idx)[:, :, start:, :]
         self._mask = mask[:, start:]
         self._next = self._next.index_select(0, idx)
         self._pos = self._pos.index_select(0, idx)
