@@ -288,11 +288,11 @@ class WorkerProcess:
     def kill_sync(self) -> None:
         """Kill from outside the event loop (e.g. the loop is already closed)."""
         if self.proc is not None and self.proc.returncode is None:
-            _kill_children(self.proc.pid, self._pidfd)  # inner first: see kill()
-            try:
-                os.kill(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            if _kill_children(self.proc.pid, self._pidfd):  # inner first (see kill()); else it killed the top
+                try:
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self._close_pidfd()
         self._cleanup_scratch()
 
