@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.tools.test_sandbox import HAVE_BWRAP, LIGHT, call
+from tests.tools.test_sandbox import HAVE_BWRAP, LIGHT, call, needs_bwrap
 from tools.base import ErrorKind
 from tools.sandbox import PythonTool
 from tools.sandbox.host_worker import _pid_running
@@ -227,7 +227,7 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap's race: its child asks to die with its parent after the fork")
+@needs_bwrap  # bubblewrap's race: its child asks to die with its parent after the fork
 def test_a_start_cancelled_at_any_point_ends_and_leaves_no_process(loop):
     """A worker's start cancelled at any point (a caller's timeout, close() during the start)
     ends and leaves nothing running. Cancelled while asyncio connected the pipes, it used to
