@@ -274,6 +274,23 @@ def _follow_defaults(cfg: DictConfig, given: frozenset[str]) -> None:
         cfg.actor.ppo_mini_batch_size = max(d for d in range(1, min(mini, batch) + 1) if batch % d == 0)
 
 
+def _check_untruncated_sampling(cfg: DictConfig) -> None:
+    """Refuse nucleus / top-k sampling in the local trainer's rollouts: the HF engine samples from the
+    truncated distribution but reports the full softmax's log-probs, so the IS ratio's denominator is
+    not the distribution the tokens were drawn from and the update is biased (the verl path refuses
+    it the same way, :func:`otb_tir.verl.compose.check_untruncated_sampling`). Eval trains nothing
+    and may truncate."""
+    top_p, top_k = float(cfg.rollout.top_p), int(cfg.rollout.top_k)
+    if top_p < 1.0 or top_k > 0:
+        which = f"rollout.top_p={top_p:g}" if top_p < 1.0 else f"rollout.top_k={top_k}"
+        raise ConfigError(
+            f"{which} with the local trainer: its engine samples from the truncated distribution but "
+            "reports full-softmax log-probs, so the importance ratio's denominator is not the sampling "
+            "distribution and the update is biased. Sample with rollout.top_p=1 rollout.top_k=-1 "
+            "(temperature still applies)"
+        )
+
+
 def _check_ranges(cfg: DictConfig) -> None:
     from otb_tir.builders import check_sections
 
@@ -292,6 +309,8 @@ def _check_ranges(cfg: DictConfig) -> None:
             raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")
     if cfg.trainer.total_steps < 0:
         raise ConfigError("'trainer.total_steps' must be >= 0")
+    if cfg.trainer.name == "local":
+        _check_untruncated_sampling(cfg)
     group_baselines = ("grpo", "rloo", "optimal_token_baseline", "tir_optimal_token_baseline")
     if cfg.rollout.n == 1 and cfg.algorithm.adv_estimator in group_baselines:
         # each group is one sample: its baseline is its own reward, every advantage is 0

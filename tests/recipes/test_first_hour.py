@@ -73,6 +73,9 @@ CASES = {
         ["data.val_files:", "'prompt' must be a non-empty list"],
     ),
     "no chat template": (["--model", "my_model"], ["has no chat template", "chat_template.jinja"]),
+    # the HF engine reports full-softmax log-probs: truncated sampling would bias the IS ratio (issue 59)
+    "nucleus sampling": (["rollout.top_p=0.9"], ["rollout.top_p=0.9 with the local trainer", "rollout.top_p=1"]),
+    "top-k sampling": (["rollout.top_k=20"], ["rollout.top_k=20 with the local trainer", "rollout.top_k=-1"]),
     # the before/after figures would silently be the built-in task's: refused, the two fixes named
     "train files without val files": (
         ["data.train_files=[data/good.parquet]"],
