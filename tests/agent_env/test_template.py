@@ -57,6 +57,18 @@ def test_prompt_ids_are_the_rendered_prompts_tokens_each_time_and_a_fresh_list(t
             assert got == want
             got.append(-1)  # the caller's own list: the next call is unchanged
     assert tpl.prompt_ids(convs[0]) == tpl.encode(tpl.render(convs[0], add_generation_prompt=True))
+    # conversations that differ only in a dict's key order render differently (the template's tojson
+    # keeps the order): each gets its own tokens, not the other's remembered ones (issue 59)
+    call = {"name": "calculator", "arguments": {"expression": "2+2", "precision": 3}}
+    swapped = {"arguments": {"precision": 3, "expression": "2+2"}, "name": "calculator"}
+    pair = [
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [c]}]
+        for c in ({"type": "function", "function": call}, {"type": "function", "function": swapped})
+    ]
+    rendered = [tpl.render(m, add_generation_prompt=True) for m in pair]
+    assert rendered[0] != rendered[1], "the template ignores key order: the case below shows nothing"
+    for messages, text in zip(pair, rendered):
+        assert tpl.prompt_ids(messages) == tpl.encode(text)
     # a lossy tokenizer is refused on every call, not only the first
     lossy = ChatTemplate(_LossyTokenizer(tiny_tokenizer), SCHEMAS)
     for _ in range(2):
