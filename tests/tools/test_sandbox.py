@@ -317,6 +317,34 @@ def test_cache_hits_and_metric(loop) -> None:
         loop.run_until_complete(t2.close())
 
 
+NONDETERMINISTIC_SNIPPETS = [  # each one's output is not a function of its code (issue 59: these were cached)
+    "import sympy\nprint(sympy.randprime(10, 10**9))",
+    "import sympy\nprint(sympy.randMatrix(2, 2))",
+    "import numpy as np\nprint(np.empty(3))",
+    "print(hash('abc'))",
+    "print({'apple', 'pear', 'plum'})",
+    "print(set('abcdef'))",
+    "print(id(object()))",
+    "import datetime\nprint(datetime.datetime.now())",
+]
+
+
+def test_snippets_whose_output_is_not_a_function_of_their_code_are_never_served_from_the_cache(loop) -> None:
+    t = PythonTool(backend="bwrap" if HAVE_BWRAP else "unisolated", workers=1, preload=LIGHT)
+    try:
+        for code in NONDETERMINISTIC_SNIPPETS:
+            first, second = call(loop, t, code), call(loop, t, code)
+            assert first.ok, (code, first.text)
+            assert (first.metrics["cache_hit"], second.metrics["cache_hit"]) == (0.0, 0.0), code
+        assert t.cache_stats()["lookups"] == 0
+        # a deterministic snippet that merely looks alike is still cached
+        for code in ("print(sorted([3, 1, 2]))", "print(f'{1}, {2}')", "print(dict(a=1))"):
+            call(loop, t, code)
+            assert call(loop, t, code).metrics["cache_hit"] == 1.0, code
+    finally:
+        loop.run_until_complete(t.close())
+
+
 def test_identical_calls_made_at_once_share_one_run_and_a_cancelled_caller_leaves_it_to_the_others(loop) -> None:
     """A group's samples often send the same snippet at the same moment (37 of 83 calculator
     calls in a bench_peers run): the sandbox runs it once and every caller reads that run's

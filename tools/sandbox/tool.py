@@ -20,10 +20,17 @@ from tools.sandbox.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
-# snippets whose output is not a function of the code alone are never served from the cache
+# snippets whose output is not a function of the code alone are never served from the cache (nor share
+# a concurrent run): randomness (random, numpy.random, sympy's randprime / randMatrix / randint: any name
+# starting with "rand"), time and dates, ids and hashes (``id()``, ``hash()``: addresses and per-process
+# string hashing), uninitialised memory (``np.empty``), sets (their order of strings follows the
+# process's hash seed), the process, its environment, files, threads. A list can never be complete:
+# a snippet that reads nondeterminism another way (say ``object.__repr__`` of an address) is cached;
+# the cache is an LRU of ``cache_size`` entries, and ``cache=False`` turns it off.
 _NONDETERMINISTIC = re.compile(
-    r"random|time|uuid|urandom|secrets|getpid|input\s*\(|environ|"
-    r"listdir|scandir|glob|open\s*\("
+    r"\brand|random|shuffle|time|today|now\s*\(|uuid|urandom|secrets|getpid|gethostname|platform|"
+    r"\bid\s*\(|\bhash\s*\(|\bempty(_like)?\s*\(|\b(frozen)?set\b|\{[^{}:\n]*,[^{}:\n]*\}|"
+    r"input\s*\(|environ|listdir|scandir|glob|open\s*\(|thread|multiprocessing|concurrent"
 )
 
 # performance switches of the sandbox worker (benchmarks/bench_sandbox.py compares them): raw_fork
