@@ -12,6 +12,9 @@ from typing import Any, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
+#: the mark of a row logged ahead of its step's full row (``MetricsLogger.log(provisional=True)``)
+PROVISIONAL = "row/provisional"
+
 # The curves drawn in curves.png (those present in the metrics).
 CURVES = (
     "reward/mean",
@@ -39,6 +42,12 @@ class MetricsLogger:
     (``plot_every=None``), whenever the time since the last redraw exceeds the last redraw's
     duration divided by ``plot_budget``: drawing a dozen matplotlib panels takes ~1.7 s on
     2 CPU cores, which redrawn every step was 20 % of a default step.
+
+    A row logged with ``provisional=True`` (a verl step's row written before its checkpoint, see
+    :mod:`otb_tir.verl.v1`) goes to the history and ``metrics.jsonl`` only, marked
+    ``row/provisional`` = 1; the next row of the same step replaces it there and is the one
+    TensorBoard, W&B and the console get, once. A provisional row nothing replaced reaches them when
+    a later step is logged or at :meth:`close`.
     """
 
     def __init__(
@@ -69,11 +78,14 @@ class MetricsLogger:
             self.history = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
         elif self.jsonl_path.exists():
             self.jsonl_path.unlink()
-        self._tb = None
+        self._pending: dict[str, float] | None = None  # the provisional last row, not yet sent on
+        self._tb = None  # opened on first use (after a resume's truncate: with its purge step)
+        self._tb_writer: Any = None
+        self._tb_purge: int | None = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self._tb_writer = SummaryWriter
         self._wandb = None
         if "wandb" in self.loggers:
             try:
@@ -83,19 +95,55 @@ class MetricsLogger:
             self._wandb = wandb.init(project=project, name=experiment, config=dict(config or {}), dir=str(self.dir))
 
     def truncate(self, step: int) -> None:
-        """Forget metrics after ``step`` (a resumed run re-does the steps after its checkpoint)."""
+        """Forget metrics after ``step`` (a resumed run re-does the steps after its checkpoint), in
+        ``metrics.jsonl`` and in TensorBoard: the writer reopens with ``purge_step`` (TensorBoard's
+        own mechanism: readers drop the earlier files' points from that step on). A provisional row
+        kept last (its run was killed before the full row) is sent on again from the same purge."""
         self.history = [h for h in self.history if h["step"] <= step]
+        self._write_jsonl()
+        last = self.history[-1] if self.history else None
+        self._pending = last if last is not None and last.get(PROVISIONAL) == 1.0 else None
+        if self._tb_writer is not None:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+            self._tb_purge = int(self._pending["step"]) if self._pending else step + 1
+
+    def log(self, metrics: Mapping[str, Any], step: int, *, provisional: bool = False) -> None:
+        row = {"step": step, **{k: _to_float(v) for k, v in metrics.items()}}
+        if provisional:
+            row[PROVISIONAL] = 1.0
+        pending, self._pending = self._pending, None
+        if pending is not None and pending["step"] == step:  # the full row of a step logged early
+            self.history[-1] = row
+            self._write_jsonl()
+        else:
+            if pending is not None:  # nothing replaced it: it is the step's row
+                self._publish(pending)
+            self.history.append(row)
+            if "jsonl" in self.loggers:
+                with open(self.jsonl_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        if provisional:
+            self._pending = row
+            return
+        self._publish(row)
+        if self._plot_due(step):
+            self.plot()
+
+    def _write_jsonl(self) -> None:
+        if "jsonl" not in self.loggers:
+            return
         with open(self.jsonl_path, "w") as f:
             for h in self.history:
                 f.write(json.dumps(h) + "\n")
 
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        row = {"step": step, **{k: _to_float(v) for k, v in metrics.items()}}
-        self.history.append(row)
-        if "jsonl" in self.loggers:
-            with open(self.jsonl_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
+    def _publish(self, row: Mapping[str, float]) -> None:
+        """TensorBoard, W&B, the console: each row once."""
+        step = int(row["step"])
+        if self._tb_writer is not None:
+            if self._tb is None:
+                self._tb = self._tb_writer(str(self.dir / "tensorboard"), purge_step=self._tb_purge)
             for k, v in row.items():
                 if k != "step" and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
@@ -104,8 +152,6 @@ class MetricsLogger:
             self._wandb.log(dict(row), step=step)
         if "console" in self.loggers:
             log.info("step %d | %s", step, format_metrics(row))
-        if self._plot_due(step):
-            self.plot()
 
     def _plot_due(self, step: int) -> bool:
         if self.plot_every is not None:
@@ -150,6 +196,9 @@ class MetricsLogger:
         return out
 
     def close(self) -> None:
+        if self._pending is not None:
+            self._publish(self._pending)
+            self._pending = None
         self.plot()
         if self._tb is not None:
             self._tb.close()

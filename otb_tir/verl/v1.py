@@ -56,6 +56,7 @@ from otb_tir.verl.hooks import OTB_ESTIMATORS
 from otb_tir.verl.v1_metrics import (
     is_weight_stats,
     lengths_mask,
+    moe_counts_aside,
     pad_nested,
     prob_diff_by_lag,
     staleness_metrics,
@@ -173,20 +174,25 @@ class OTBTrainerMixin:
     def _save_checkpoint(self) -> Any:
         # verl saves step k (trainer_base.fit, "2. save checkpoint") before it computes and logs step k's
         # metrics ("5. record metrics"); a run killed in between would resume at k + 1 with step k's row
-        # never written. So the step's row is logged first (from copies of the step's metrics) and
-        # replaced by the full one (save time, validation) when verl computes it.
+        # never written. So the step's row is logged first (from copies of the step's metrics), to
+        # metrics.jsonl only, and replaced by the full one (save time, validation) when verl computes it
+        # (MetricsLogger.log(provisional=True)). verl calls this inside its `save_checkpoint` and `step`
+        # timers: the row's time is taken off them when the full row is computed (_compute_metrics).
         pending = getattr(self, "_otb_pending", None)
         if self._otb_run and pending is not None:
+            t0 = time.perf_counter()
             batch, metrics, timing_raw = pending
             gs = int(self.global_steps)  # type: ignore[attr-defined]
             epoch = (gs - 1) // max(int(getattr(self, "steps_per_epoch", 1) or 1), 1)
             timing = dict(timing_raw)  # verl times the whole step after the save: its time so far here
-            timing.setdefault("step", time.perf_counter() - self._otb_clock.get("step_begin", time.perf_counter()))
+            timing.setdefault("step", t0 - self._otb_clock.get("step_begin", t0))
             self._otb_provisional = True  # marked: a run killed before the full row keeps this one
             try:
-                self._compute_metrics(batch, dict(metrics), timing, gs, epoch)
+                with moe_counts_aside(self):  # the full row feeds verl's MoE counts, this one a copy
+                    self._compute_metrics(batch, dict(metrics), timing, gs, epoch)
             finally:
                 self._otb_provisional = False
+                self._otb_clock["provisional_row"] = time.perf_counter() - t0
         with self._otb_phase("save_checkpoint"):
             return super()._save_checkpoint()  # type: ignore[misc]
 
@@ -243,6 +249,8 @@ class OTBTrainerMixin:
             c["rollout_idle"] = t1 - c.get("sample_end", t1)
         else:
             c["rollout_idle"] = (t1 - c.get("step_begin", t1)) - c.get("trainer_idle", 0.0)
+        if self.verl_mode != "separate_async":  # the early row's time is no step time (_save_checkpoint)
+            c["rollout_idle"] -= c.get("provisional_row", 0.0)
 
     # ---- Σπ² in the old-log-prob pass only
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
@@ -339,21 +347,27 @@ class OTBTrainerMixin:
 
     # ---- what gets logged
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
+        provisional = getattr(self, "_otb_provisional", False)
+        c = self._otb_clock
+        if not provisional and "provisional_row" in c:
+            # the early row was computed inside verl's `save_checkpoint` and `step` timers: not their time
+            # (nor the throughput's, which divides by the step's); logged as timing/provisional_row_s
+            for name in ("save_checkpoint", "step"):
+                if name in timing_raw:
+                    timing_raw[name] -= c["provisional_row"]
         out = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
         metrics.update(staleness_metrics(list(batch.tags), int(global_steps)))
-        c = self._otb_clock
-        for key in ("trainer_idle", "rollout_idle", "weight_sync"):
+        for key in ("trainer_idle", "rollout_idle", "weight_sync", "provisional_row"):
             if key in c:
                 metrics[f"timing/{key}_s"] = float(c[key])
         metrics.update(self._otb_batch_metrics(batch, metrics.get("actor/grad_norm"), int(global_steps)))
-        if getattr(self, "_otb_provisional", False):
-            # logged before the checkpoint: no save, weight-sync or rollout-idle time yet; the full row
-            # replaces it, unless the run is killed in between (then the resumed run keeps this one)
-            metrics["row/provisional"] = 1.0
         if self._otb_run:
             from otb_tir.verl.hooks import translate_metrics
 
-            self._otb_run.log(translate_metrics(metrics), int(global_steps))
+            # provisional: logged before the checkpoint, with no save, weight-sync or rollout-idle time
+            # yet, marked row/provisional; the full row replaces it, unless the run is killed in between
+            # (then the resumed run keeps this one)
+            self._otb_run.log(translate_metrics(metrics), int(global_steps), provisional=provisional)
         return out
 
     def _otb_batch_metrics(self, batch: Any, grad_norm: Any, global_steps: int) -> dict[str, float]:
@@ -419,20 +433,19 @@ class _RecipeRun:
         )
         self._rewind = resume  # the first row of a resumed run decides what the killed run's rows keep
 
-    def log(self, metrics: dict, step: int, *, before_fit: bool = False) -> None:
+    def log(self, metrics: dict, step: int, *, before_fit: bool = False, provisional: bool = False) -> None:
         """One row of ``metrics.jsonl`` (and TensorBoard, the curves). A resumed run restarts at its
-        checkpoint's step k: its first row drops the killed run's rows past k (steps it re-does), and
-        the validation verl runs before resuming the loop, at step k, is not logged again when step
-        k already has its row (every step once; verl logs it a second time). A row for the step
-        just logged replaces it (a step's row is logged before its checkpoint, then in full)."""
+        checkpoint's step k: its first row drops the killed run's rows past k (steps it re-does; in
+        TensorBoard too), and the validation verl runs before resuming the loop, at step k, is not
+        logged again when step k already has its row (every step once; verl logs it a second time).
+        ``provisional``: a step's row logged before its checkpoint, replaced by the full one
+        (:meth:`MetricsLogger.log`)."""
         if self._rewind:
             self._rewind = False
             self.sink.truncate(step if before_fit else step - 1)
             if before_fit and any(h["step"] == step for h in self.sink.history):
                 return
-        elif not before_fit and self.sink.history and self.sink.history[-1]["step"] == step:
-            self.sink.truncate(step - 1)  # the full row of a step logged early (before its checkpoint)
-        self.sink.log(metrics, step=step)
+        self.sink.log(metrics, step=step, provisional=provisional)
 
     @classmethod
     def from_env(cls) -> "_RecipeRun | None":

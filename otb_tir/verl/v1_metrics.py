@@ -1,13 +1,24 @@
 """The figures our verl V1 trainer modes log on every step (:mod:`otb_tir.verl.v1`): samples per
 model-version lag, |π_rollout − π_actor| per lag (the weight sync's effect), the IS weights' stats;
-and the two tensor helpers the mixin uses on TransferQueue's nested tensors."""
+the two tensor helpers the mixin uses on TransferQueue's nested tensors, and :func:`moe_counts_aside`."""
 
 from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-__all__ = ["is_weight_stats", "lengths_mask", "pad_nested", "prob_diff_by_lag", "staleness_metrics"]
+__all__ = [
+    "is_weight_stats",
+    "lengths_mask",
+    "moe_counts_aside",
+    "pad_nested",
+    "prob_diff_by_lag",
+    "staleness_metrics",
+]
 
 
 def staleness_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
@@ -100,3 +111,23 @@ def pad_nested(nested: torch.Tensor, width: int) -> torch.Tensor:
 
 def lengths_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width)[None, :] < lengths[:, None]
+
+
+@contextlib.contextmanager
+def moe_counts_aside(trainer: Any) -> Iterator[None]:
+    """Inside, ``trainer`` counts verl's rollout MoE routed experts on a copy of its accumulator
+    (``_rollout_moe_lb_metrics_accumulator``, which sums the counts over verl's logging interval and
+    pops them when it is reached): a metrics row computed besides verl's own (the one logged before a
+    checkpoint) shows what verl's row will show and leaves the counts to verl's row alone."""
+    attr = "_rollout_moe_lb_metrics_accumulator"
+    real = getattr(trainer, attr, None)
+    if real is None:
+        yield
+        return
+    scratch = copy.copy(real)
+    scratch.load_counts = None if real.load_counts is None else real.load_counts.clone()
+    setattr(trainer, attr, scratch)
+    try:
+        yield
+    finally:
+        setattr(trainer, attr, real)

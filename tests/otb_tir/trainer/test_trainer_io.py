@@ -41,6 +41,53 @@ def test_resumed_logger_truncates_steps_after_checkpoint(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
+def _tb_points(path, tag="reward/mean"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_resumed_logger_truncates_tensorboard_too(tmp_path):
+    """TensorBoard, read back the way TensorBoard reads it, shows the resumed run's rows past the
+    checkpoint, not the killed run's (SummaryWriter's purge_step)."""
+    lg = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"])
+    for s in range(1, 6):
+        lg.log({"reward/mean": s}, s)
+    lg._tb.flush()  # killed: no close
+    lg2 = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], resume=True)
+    lg2.truncate(3)
+    lg2.log({"reward/mean": 40}, 4)
+    lg2.close()
+    assert _tb_points(tmp_path) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_a_provisional_row_reaches_tensorboard_once_as_its_replacement(tmp_path):
+    """A row logged ahead of its step's full row (verl's row before its checkpoint) is replaced by the
+    full one in metrics.jsonl and TensorBoard gets one point per step, the full row's; a provisional
+    row a killed run never replaced is kept by the resumed run and shown in TensorBoard once."""
+    lg = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"])
+    lg.log({"reward/mean": 1}, 1)
+    lg.log({"reward/mean": 0.25}, 2, provisional=True)
+    assert _jsonl(tmp_path)[-1] == {"step": 2, "reward/mean": 0.25, "row/provisional": 1.0}
+    lg.log({"reward/mean": 2}, 2)
+    lg.log({"reward/mean": 0.5}, 3, provisional=True)  # killed before step 3's full row (no close)
+    lg._tb.flush()
+    assert [(r["step"], r["reward/mean"]) for r in _jsonl(tmp_path)] == [(1, 1), (2, 2), (3, 0.5)]
+    assert _tb_points(tmp_path) == [(1, 1.0), (2, 2.0)]
+    lg2 = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], resume=True)
+    lg2.truncate(3)  # resumed after checkpoint 3: its early row is step 3's row
+    lg2.log({"reward/mean": 4}, 4)
+    lg2.close()
+    assert _tb_points(tmp_path) == [(1, 1.0), (2, 2.0), (3, 0.5), (4, 4.0)]
+    assert [r["step"] for r in _jsonl(tmp_path)] == [1, 2, 3, 4]
+
+
+def _jsonl(path):
+    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_unknown_logger_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="valid: console"):
         MetricsLogger(tmp_path, loggers=["jsonl", "mlflow"])

@@ -362,7 +362,7 @@ def test_the_recipe_files_hold_every_step_once_across_kills_and_resumes(tmp_path
     run = _RecipeRun(str(tmp_path), ["jsonl"], resume=False)
     run.log({"kind": 0.0}, 0, before_fit=True)  # held-out before
     for step in (1, 2, 3):
-        run.log({"kind": 1.0}, step)  # logged before the checkpoint
+        run.log({"kind": 1.0}, step, provisional=True)  # logged before the checkpoint
         run.log({"kind": 2.0}, step)  # the full row
     assert steps() == [(0, 0.0), (1, 2.0), (2, 2.0), (3, 2.0)]
     # killed after checkpoint 2 (step 3 had been logged): resumed at 3, verl validates at 2 first
@@ -375,3 +375,58 @@ def test_the_recipe_files_hold_every_step_once_across_kills_and_resumes(tmp_path
     run = _RecipeRun(str(tmp_path), ["jsonl"], resume=True)
     run.log({"kind": 2.0}, 5)
     assert [s for s, _ in steps()] == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_row_before_a_checkpoint_is_off_verls_timers_and_moe_counts_and_in_tensorboard_once(tmp_path):
+    """The early row (``_save_checkpoint``) runs inside verl's `save_checkpoint` and `step` timers: the
+    full row gets them without its time; it counts the MoE routed experts on a copy of verl's real
+    accumulator (verl's row counts them once); TensorBoard gets one point for the step, the full row's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from verl.trainer.ppo.metric_utils import RolloutMoELoadBalanceMetricsAccumulator
+
+    from otb_tir.verl.v1 import _RecipeRun
+
+    routed = torch.zeros(2, 3, 1, 2, dtype=torch.long)  # [batch, seq, layers, top-k]
+    once = RolloutMoELoadBalanceMetricsAccumulator()
+    once.update(routed, torch.ones(2, 3), num_experts=2)  # what one step's counts add up to
+    seen = []
+
+    class Base:  # stands for verl's PPOTrainer: its _compute_metrics feeds the accumulator, as verl's does
+        def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+            self._rollout_moe_lb_metrics_accumulator.update(routed, torch.ones(2, 3), num_experts=2)
+            seen.append(dict(timing_raw))
+            metrics.update({"timing_s/save_checkpoint": timing_raw.get("save_checkpoint", 0.0)})
+            metrics["reward/mean"] = float(len(seen))
+
+        def _save_checkpoint(self):
+            pass
+
+    class Trainer(v1.OTBTrainerMixin, Base):
+        pass
+
+    batch = _Meta(["a", "b"])
+    batch.tags = [{"min_global_steps": 0, "max_global_steps": 0}] * 2
+    t = object.__new__(Trainer)
+    t._otb_run = _RecipeRun(str(tmp_path), ["jsonl", "tensorboard"], resume=False)
+    t._otb_rollout_log_probs = t._otb_spi2 = False
+    t._otb_batch_metrics = lambda *a: {}  # reads TransferQueue: not what this test is about
+    t._rollout_moe_lb_metrics_accumulator = RolloutMoELoadBalanceMetricsAccumulator()
+    t.global_steps, t.steps_per_epoch = 1, 1
+    timing_raw = {"gen": 1.0}
+    t._otb_clock = {"step_begin": 0.0}
+    t._otb_pending = (batch, {}, timing_raw)
+    t._save_checkpoint()  # the early row
+    # verl's timers close around it; then verl's own row ("5. record metrics")
+    timing_raw.update(save_checkpoint=100.0, step=200.0)
+    t._compute_metrics(batch, {}, timing_raw, 1, 0)
+    t._otb_run.sink.close()
+    spent = t._otb_clock["provisional_row"]
+    assert spent > 0
+    assert seen[-1]["save_checkpoint"] == 100.0 - spent
+    assert seen[-1]["step"] == 200.0 - spent
+    assert once.total_assignments() > 0
+    assert t._rollout_moe_lb_metrics_accumulator.total_assignments() == once.total_assignments()  # not twice
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 2.0)]
+    assert "row/provisional" not in acc.Tags()["scalars"]
