@@ -42,6 +42,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -258,11 +259,38 @@ def _readable_dirs(spec: ServerSpec) -> list[str]:
         p = (base / a) if not os.path.isabs(a) else Path(a)
         if os.sep in a and p.exists():
             dirs.append(str(p.resolve().parent if p.is_file() else p.resolve()))
+    dirs += _interpreter_dirs(spec)
     out: list[str] = []
     for d in sorted(set(dirs), key=len):
         if not any(d == q or d.startswith(q.rstrip("/") + "/") for q in out):
             out.append(d)
     return out
+
+
+def _interpreter_dirs(spec: ServerSpec) -> list[str]:
+    """What the command's interpreter needs, unresolved and resolved: a venv's own root (its
+    ``pyvenv.cfg``, ``lib/`` and ``bin/``, which resolving ``bin/python`` to the base interpreter
+    would lose), the base install it names, and the install behind the real executable. A bare
+    command (``python``) is looked up on the server's PATH, as the server's own start does."""
+    cmd = spec.command
+    if os.sep not in cmd:
+        found = shutil.which(cmd, path=spec.env.get("PATH", os.environ.get("PATH")))
+        if found is None:
+            return []
+        cmd = found
+    exe = Path(cmd) if os.path.isabs(cmd) else Path(spec.cwd or spec.folder) / cmd
+    if not exe.exists():
+        return []
+    out = [str(exe.resolve().parent.parent)]  # the real executable's install (its bin/ and lib/)
+    for root in (exe.parent.parent, exe.resolve().parent.parent):
+        cfg = root / "pyvenv.cfg"
+        if cfg.is_file():
+            out.append(str(root.absolute()))
+            for line in cfg.read_text(errors="replace").splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "home" and value.strip():
+                    out.append(str(Path(value.strip()).resolve().parent))
+    return [d for d in out if d not in ("/", "/tmp") and not d.startswith("/usr")]
 
 
 def stdio_command(spec: ServerSpec, parent_pid: int | None = None) -> list[str]:
@@ -275,10 +303,10 @@ def stdio_command(spec: ServerSpec, parent_pid: int | None = None) -> list[str]:
         cmd += ["--cap-drop", "ALL"]
     else:
         cmd += ["--unshare-all"]
-    cmd += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--tmpfs", "/tmp"]
-    cmd += ["--proc", "/proc", "--dev", "/dev"]
-    for d in _readable_dirs(spec):
-        cmd += ["--ro-bind", d, d]
+    cmd += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    from tools.sandbox.backends import private_tmp_then_binds
+
+    cmd += private_tmp_then_binds(_readable_dirs(spec))  # a server or venv under /tmp stays visible
     for w in spec.writable_paths:
         cmd += ["--bind", w, w]
     cmd += ["--chdir", spec.cwd or spec.folder, "--", spec.command, *spec.args]

@@ -452,3 +452,25 @@ def test_per_trajectory_sessions_keep_each_trajectorys_state_and_end_with_it(tmp
             assert texts == ["a", "a,b", "a,b,c", "a,b,c,d"] and len(set(procs)) == 1
     finally:
         run(ts.close())
+
+
+def test_stdio_server_with_a_venv_under_tmp(tmp_path):
+    """A checkout and venv under /tmp (a CI clone): the sandbox's private /tmp must not hide the
+    venv's interpreter (bin/python, pyvenv.cfg, site-packages) nor the server's script and cwd."""
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    # the test's own venv stands in for the system site-packages (it has the mcp SDK)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "outer.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    cfg, log = stdio_config(tmp_path / "servers", "tmpvenv", command=str(venv / "bin" / "python"))
+    spec = json.loads(cfg.read_text())
+    spec["mcpServers"]["tmpvenv"]["cwd"] = str(tmp_path / "servers")
+    cfg.write_text(json.dumps(spec))
+    ts = build_tool_set(["lookup"], None, None, str(cfg))
+    try:
+        res = run(ts["lookup"].invoke({"query": "tmp"}, timeout=30))
+        assert res.ok and res.text == "note about tmp"
+        assert calls(log, "lookup")[-1]["args"] == {"query": "tmp"}
+    finally:
+        run(ts.close())

@@ -265,22 +265,7 @@ class BwrapBackend(Backend):
         for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime"):
             if os.path.exists(f):
                 cmd += ["--ro-bind", f, f]
-        # The private /tmp comes first: binds below it (a venv or a checkout under /tmp, as in CI)
-        # are then mounted on top of it instead of being hidden by it.
-        cmd += ["--perms", "0755", "--size", str(int(self.tmp_size_mb) * 1024 * 1024), "--tmpfs", "/tmp"]
-        binds = self.python_paths() + list(self.extra_ro_binds)
-        # parents of the binds (e.g. /root, mode 0700 on the host) are created traversable but
-        # not listable, so the unprivileged child can import lazily from the bound trees
-        parents: list[str] = []
-        for p in binds:
-            for parent in reversed(Path(p).parents):
-                s = str(parent)
-                if s not in ("/", "/tmp") and s not in parents and not s.startswith("/usr"):
-                    parents.append(s)
-        for d in parents:
-            cmd += ["--perms", "0711", "--dir", d]
-        for p in binds:
-            cmd += ["--ro-bind", p, p]
+        cmd += private_tmp_then_binds(self.python_paths() + list(self.extra_ro_binds), self.tmp_size_mb)
         for host, inside in WORKER_FILES:
             cmd += ["--ro-bind", host, inside]
         cmd += [
@@ -379,6 +364,31 @@ class DockerBackend(Backend):
             SANDBOX_WORKER_PATH,
             json.dumps(cfg),
         ]
+
+
+def private_tmp_then_binds(binds: list[str], tmp_size_mb: int | None = None) -> list[str]:
+    """bubblewrap arguments for a private /tmp and then ``binds`` read-only at their own paths.
+
+    The private /tmp comes first: binds below it (a venv or a checkout under /tmp, as in CI) are
+    then mounted on top of it instead of being hidden by it. Parents of the binds (e.g. /root, mode
+    0700 on the host, or /tmp/pytest-of-x/...) are created traversable but not listable, so an
+    unprivileged child can import lazily from the bound trees. Both the python sandbox and the
+    stdio MCP servers (tools/mcp.py) use it."""
+    cmd = ["--perms", "0755"]
+    if tmp_size_mb is not None:
+        cmd += ["--size", str(int(tmp_size_mb) * 1024 * 1024)]
+    cmd += ["--tmpfs", "/tmp"]
+    parents: list[str] = []
+    for p in binds:
+        for parent in reversed(Path(p).parents):
+            s = str(parent)
+            if s not in ("/", "/tmp") and s not in parents and not s.startswith("/usr"):
+                parents.append(s)
+    for d in parents:
+        cmd += ["--perms", "0711", "--dir", d]
+    for p in binds:
+        cmd += ["--ro-bind", p, p]
+    return cmd
 
 
 def bwrap_candidates() -> list[tuple[str, str]]:
