@@ -50,10 +50,10 @@ from agent_env.engines.hf_batch import (
     cache_kwargs,
     cache_layers,
     returned_cache,
-    weights_signature,
     with_slack,
 )
 from agent_env.engines.hf_sampling import Request, make_request, sample
+from agent_env.engines.hf_weights import WeightWatch
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,9 @@ class HFEngine(RunningBatch):
             seed from it in call order, so the same requests in the same order give the same
             samples. Without any seed, sampling is not reproducible.
         share_weights: use the given model object itself (no copy): the trainer's optimizer steps
-            are seen immediately, and :meth:`update_weights` only drops cached keys/values.
+            are seen immediately, and :meth:`update_weights` only drops what the engine derived from
+            the weights (cached keys/values, the fused step's concatenated weights): call it after a
+            write through ``p.data``, which nothing else shows (:mod:`agent_env.engines.hf_weights`).
         stop_at_eos: also stop (``"stop"``) at the tokenizer's / generation config's eos ids, as
             vLLM does by default. The eos token is included in the output.
         prefix_cache_bytes: most bytes of keys/values kept from finished requests for the next turn
@@ -179,8 +181,7 @@ class HFEngine(RunningBatch):
         self.cpu_threads = cpu_threads if self.device.type == "cpu" and not self.worker_thread else 0
         self._threads_before: int | None = None  # torch's setting while the engine's own is in force
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        # taken once: walking the modules for every signature cost ~10 ms a training step
-        self._params = list(model.parameters())
+        self._watch = WeightWatch(model)  # when the weights changed (hf_weights: what it sees, what not)
         self._eos_ids: frozenset[int] = frozenset(self._collect_eos_ids() if stop_at_eos else ())
         self._seed_rng = random.Random(seed) if seed is not None else None
         self._lock = threading.Lock()  # one compute step or weight update at a time
@@ -297,7 +298,7 @@ class HFEngine(RunningBatch):
         if why:
             raise EngineError(f"decode_step={decode_step!r}: the fused decode step does not cover this model: {why}")
         try:
-            return FusedDecoder(self.model, compiled=decode_step == "compiled")
+            return FusedDecoder(self.model, compiled=decode_step == "compiled", watch=self._watch)
         except EngineError as exc:  # the probe: the written-out step does not reproduce this model's forward
             if decode_step != "auto":
                 raise
@@ -447,8 +448,7 @@ class HFEngine(RunningBatch):
         return self._accept(self._active, logits, rows=range(b))
 
     def _weights_signature(self) -> tuple:
-        # in-place changes (an optimizer step on shared weights, update_weights' copies) bump these
-        return weights_signature(self._params)
+        return self._watch.signature()
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, rows: range) -> list[int]:
         """Sample one token per row, record it, set it as the row's next input; return finished rows."""
@@ -501,6 +501,7 @@ class HFEngine(RunningBatch):
                             f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                         )
                     target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+            self._watch.changed()  # the fused step's weights are rebuilt (a write through p.data shows nowhere else)
             self._prefix.clear()  # kept keys/values are stale too (the signature would also tell)
             # In-flight rows: their cached keys/values are stale; prefill them again next step.
             if self._active:

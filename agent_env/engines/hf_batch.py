@@ -55,14 +55,6 @@ def returned_cache(out: Any) -> Any:
 _CACHE_ARG: dict[Any, str] = {}
 
 
-def weights_signature(params: list[torch.Tensor]) -> tuple:
-    """What changes when any of ``params`` does: each one's storage and in-place version counter (an
-    optimizer step on shared weights, ``update_weights``' copies and ``.data`` swaps all show). Take
-    the list once (``list(model.parameters())``): walking the modules each time cost 0.6 ms of a
-    3.4 ms decode step in a training run."""
-    return tuple((p.data_ptr(), p._version) for p in params)
-
-
 def cache_layers(cache) -> list:
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -375,8 +367,9 @@ class PrefixCache:
     same turn: one copy in memory, taken once per store). ``take(prompt)`` returns the longest
     stored entry whose tokens are a strict prefix of ``prompt`` (at least one new token is left to
     feed) as ``(T, kv, mask)`` and uses one of its stores up. ``weights`` is a signature of the
-    model's weights (their in-place version counters): an entry stored under other weights is never
-    returned, because its keys/values are stale. Returned tensors are shared: copy, never write.
+    model's weights (:class:`agent_env.engines.hf_weights.WeightWatch`): an entry stored under other
+    weights is never returned, because its keys/values are stale. Returned tensors are shared: copy,
+    never write.
     """
 
     def __init__(self, max_bytes: int) -> None:

@@ -4,16 +4,19 @@ A decode step feeds one token per running row. On a small policy on the CPU the 
 ``forward`` spends most of that step in Python and dispatch: transformers' cache classes, mask
 building, one small matrix product per projection, output dataclasses. :class:`FusedDecoder` does the
 same arithmetic from the model's own weights in one function: the query/key/value and gate/up
-projections each in one matrix product (their weights concatenated once per weight version), the
-token's keys/values written in place into the running batch's KV buffers
-(:func:`agent_env.engines.hf_batch.slack_layer_class`), attention as two batched products over
-the whole buffers with the columns past the token masked (so their shapes change only when they
-grow, every 64 columns) when compiled, over views of the filled columns when eager, no cache objects,
-the RMSNorm weights folded into the projections after them, the rotary halves swapped by one flip.
-``compiled=True`` puts it through ``torch.compile`` (inductor, shapes dynamic so rows joining and
-leaving and the growing width do not recompile); the first call
-compiles (its seconds are in :attr:`FusedDecoder.compile_s`), torch keeps the result in its on-disk
-cache for the next process.
+projections each in one matrix product (their weights concatenated again whenever they change:
+:class:`agent_env.engines.hf_weights.WeightWatch` says when), the token's keys/values written in
+place into the running batch's KV buffers (:func:`agent_env.engines.hf_batch.slack_layer_class`),
+attention as two batched products over the whole buffers with the columns past the token masked (so
+their shapes change only when they grow, every 64 columns) when compiled, over views of the filled
+columns when eager, no cache objects, the RMSNorm weights folded into the projections after them, the
+rotary halves swapped by one flip. In bfloat16/float16 it is the model's forward to the bit instead
+(measured on the CPU): no norm folded, attention by sdpa as the model's (either one otherwise:
+log-probs 2e-3 to 6e-3 off), and ``compiled`` runs eagerly (inductor rounds those dtypes otherwise:
+7.9e-3), saying why. ``compiled=True`` puts it through ``torch.compile`` (inductor, shapes dynamic so
+rows joining and leaving and the growing width do not recompile); the first call compiles (its
+seconds are in :attr:`FusedDecoder.compile_s`), torch keeps the result in its on-disk cache for the
+next process.
 
 Measured on 2 cores: the built-in policy's forward alone, 16 rows, ~100 columns, one thread: the
 model's 7.1 ms, this step's 3.2 ms eager, 1.8 ms compiled (compiling took 19 s the first time, 4.4 s
@@ -33,7 +36,9 @@ Which models: :func:`unsupported` says why a model is not one it reproduces (the
 modules, not only the name: Qwen2, Qwen3 and Llama layers, SiLU MLP, RMS norms, a rotary embedding
 with a fixed ``inv_freq``, full attention everywhere). A model that passes them still gets a
 probe when the decoder is built (:meth:`FusedDecoder.probe`): a few tokens through the model's own
-forward and through this step and its prefill, logits compared; a mismatch is an ``EngineError`` naming the gap.
+forward and through this step and its prefill, log-probs compared (float32: within 1e-3, measured
+~1e-6; bfloat16/float16: within :data:`PROBE_TOL`, the same logits); a mismatch is an ``EngineError``
+naming the gap.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from agent_env.engines.base import EngineError
-from agent_env.engines.hf_batch import cache_kwargs, cache_layers, returned_cache, weights_signature, with_slack
+from agent_env.engines.hf_batch import cache_kwargs, cache_layers, returned_cache, with_slack
+from agent_env.engines.hf_weights import WeightWatch
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ DECODE_STEPS = ("auto", "model", "fused", "compiled")
 MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fixed at load time
 FUSE_BYTES = 512 * 2**20  # concatenate q/k/v and gate/up weights (one copy of them) up to this model size
+PROBE_TOL = 1e-5  # bfloat16/float16: the same logits (the eager step is the model's forward to the bit)
 
 
 def unsupported(model: Any) -> str | None:
@@ -143,15 +150,15 @@ def _make_step(shape: dict[str, Any]) -> Callable:
     """The step as a function of tensors only (what ``torch.compile`` traces); ``shape``'s numbers
     are constants of it."""
     hq, hkv, d, eps, scaling = shape["hq"], shape["hkv"], shape["head_dim"], shape["eps"], shape["scaling"]
-    g, qk_norm, scale_rope = hq // hkv, shape["qk_norm"], shape["rope_scaling"]
+    g, qk_norm, scale_rope, sdpa = hq // hkv, shape["qk_norm"], shape["rope_scaling"], shape["sdpa"]
 
     def step(ids, pos, col, bias, keys, values, layers, embed, norm, head, head_bias, inv_freq):
         b = ids.shape[0]
         h = F.embedding(ids, embed)
         cos, sin = _rope(pos, inv_freq, scale_rope, h.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        # [B * hkv, 1, W]: one row of the bias per key/value head, broadcast over its g query heads
-        bias = (bias if hkv == 1 else bias.repeat_interleave(hkv, dim=0))[:, None, :]
+        # sdpa: [B, 1, 1, W]; else [B * hkv, 1, W]: a row per key/value head, broadcast over its g query heads
+        bias = bias[:, None, None] if sdpa else (bias if hkv == 1 else bias.repeat_interleave(hkv, dim=0))[:, None]
         for (ln1, qkv_w, qkv_b, qk_norm_w, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), k_buf, v_buf in zip(
             layers, keys, values
         ):
@@ -163,12 +170,16 @@ def _make_step(shape: dict[str, Any]) -> Callable:
             q, k = _rotate(qk, cos, sin).split([hq, hkv], dim=1)
             k_buf.index_copy_(2, col, k[:, :, None, :])
             v_buf.index_copy_(2, col, v[:, :, None, :])
-            # the buffers (or views of their first W columns) as [B * hkv, W, d]: no copy
-            scores = torch.baddbmm(
-                bias, q.reshape(b * hkv, g, d), k_buf.reshape(b * hkv, w, d).transpose(1, 2), alpha=scaling
-            )
-            probs = scores.float().softmax(dim=-1).to(v_buf.dtype)
-            h = h + F.linear(torch.bmm(probs, v_buf.reshape(b * hkv, w, d)).reshape(b, hq * d), o_w, o_b)
+            if sdpa:  # as the model's sdpa forward: keys/values repeated per query head (its repeat_kv)
+                k_all, v_all = (x if g == 1 else x.repeat_interleave(g, dim=1) for x in (k_buf, v_buf))
+                att = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=bias, scale=scaling)
+            else:  # the buffers (or views of their first W columns) as [B * hkv, W, d]: no copy
+                scores = torch.baddbmm(
+                    bias, q.reshape(b * hkv, g, d), k_buf.reshape(b * hkv, w, d).transpose(1, 2), alpha=scaling
+                )
+                probs = scores.float().softmax(dim=-1).to(v_buf.dtype)
+                att = torch.bmm(probs, v_buf.reshape(b * hkv, w, d))
+            h = h + F.linear(att.reshape(b, hq * d), o_w, o_b)
             h = h + _mlp(_rms(h, ln2, eps), gu_w, gu_b, down_w, down_b)
         return F.linear(_rms(h, norm, eps), head, head_bias).float()
 
@@ -235,9 +246,13 @@ class FusedDecoder:
         compiled: put the step through ``torch.compile``; if compiling fails, the eager step runs
             on and :attr:`compile_error` says why (logged; the engine's ``compile_error``).
         probe: compare with the model's own forward now (:meth:`probe`).
+        watch: what tells when the weights changed (the engine's, so that its ``update_weights``
+            reaches the step); None: one of its own.
     """
 
-    def __init__(self, model: Any, compiled: bool = False, probe: bool = True) -> None:
+    def __init__(
+        self, model: Any, compiled: bool = False, probe: bool = True, watch: WeightWatch | None = None
+    ) -> None:
         why = unsupported(model)
         if why:
             raise EngineError(f"the fused decode step does not cover this model: {why}")
@@ -247,6 +262,9 @@ class FusedDecoder:
         attn = inner.layers[0].self_attn
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        self._watch = watch if watch is not None else WeightWatch(model)
+        params = self._watch.params
+        low = any(p.dtype != torch.float32 for p in params)  # bfloat16 / float16
         self.shape = {
             "hq": hq,
             "hkv": hkv,
@@ -255,16 +273,23 @@ class FusedDecoder:
             "scaling": float(getattr(attn, "scaling", head_dim**-0.5)),
             "qk_norm": hasattr(attn, "q_norm"),
             "rope_scaling": float(getattr(inner.rotary_emb, "attention_scaling", 1.0)),
+            "sdpa": low,  # attention as the model's sdpa (fp32 inside; two products round to the dtype)
         }
-        self._params = list(model.parameters())
-        self.fuse = sum(p.numel() * p.element_size() for p in self._params) <= FUSE_BYTES
+        self.fuse = sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values()) <= FUSE_BYTES
+        # float32 only: in bfloat16/float16 W · diag(w) rounds otherwise than the model's w * x, then W
+        self.fold = self.fuse and not low
         self._eager = _make_step(self.shape)
         self._prefill = _make_prefill(self.shape)
         self._fn = self._eager
         self.compiled = False
         self.compile_s: float | None = None
         self.compile_error: str | None = None
-        if compiled:
+        if compiled and low:  # as a failed compile: the eager step runs, and says why
+            self._compile_failed(
+                "float32 only: torch.compile's kernels round bfloat16/float16 otherwise than the model's "
+                "forward (7.9e-3 apart in log-probs on the built-in policy in bfloat16)"
+            )
+        elif compiled:
             try:
                 self._fn = torch.compile(self._eager, dynamic=True)
                 self.compiled = True
@@ -280,11 +305,12 @@ class FusedDecoder:
     def weights(self) -> tuple:
         """The step's weight arguments; q/k/v and gate/up concatenated again after any change.
 
-        With the projections concatenated (models up to :data:`FUSE_BYTES`), each RMSNorm's weight
-        is folded into the projection after it (``W · diag(w)``: the input norm's into q/k/v, the
-        post-attention norm's into gate/up, the final norm's into a copy of the LM head), and its
-        place holds None: one multiplication less per norm and step."""
-        sig = weights_signature(self._params)
+        With the projections concatenated (models up to :data:`FUSE_BYTES`) in float32, each
+        RMSNorm's weight is folded into the projection after it (``W · diag(w)``: the input norm's
+        into q/k/v, the post-attention norm's into gate/up, the final norm's into a copy of the LM
+        head), and its place holds None: one multiplication less per norm and step. Not in other
+        dtypes, where the fold rounds differently from the model (:attr:`fold`)."""
+        sig = self._watch.signature()
         if self._weights is not None and sig == self._signature:
             return self._weights
         inner = self.model.model
@@ -301,7 +327,7 @@ class FusedDecoder:
             return torch.cat(ws).detach(), bias if bias is None else bias.detach()
 
         def fold(w: Any, norm: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
-            return ((w * norm.detach()[None, :]), None) if self.fuse else (w, norm)
+            return ((w * norm.detach()[None, :]), None) if self.fold else (w, norm)
 
         layers = []
         for layer in inner.layers:
@@ -344,8 +370,8 @@ class FusedDecoder:
 
     # ------------------------------------------------------------------ the step
 
-    def _compile_failed(self, exc: BaseException) -> None:
-        self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
+    def _compile_failed(self, exc: BaseException | str) -> None:
+        self.compile_error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"[:500]
         self._fn, self.compiled = self._eager, False
         logger.warning("torch.compile of the fused decode step failed, running it eagerly: %s", self.compile_error)
 
@@ -475,7 +501,7 @@ class FusedDecoder:
             float((a.log_softmax(-1) - b.log_softmax(-1)).abs().max())
             for a, b in ((ref, got), (out.logits[:, -1].float(), first), (ref, after))
         )
-        tol = 1e-3 if ref.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 0.1
+        tol = PROBE_TOL if self.shape["sdpa"] else 1e-3  # float32: measured ~1e-6 (the folds round)
         if not gap <= tol:  # NaN too
             raise EngineError(
                 f"the fused decode step (or its prefill) does not reproduce this model's forward: log-probs "
