@@ -274,15 +274,23 @@ def _follow_defaults(cfg: DictConfig, given: frozenset[str]) -> None:
         cfg.actor.ppo_mini_batch_size = max(d for d in range(1, min(mini, batch) + 1) if batch % d == 0)
 
 
+def truncated_sampling(top_p: Any, top_k: Any) -> str | None:
+    """``"rollout.top_p=0.9"`` / ``"rollout.top_k=20"`` where sampling is truncated, else ``None``: the
+    one test both trainers refuse (here and :func:`otb_tir.verl.compose.check_untruncated_sampling`)."""
+    top_p, top_k = float(top_p), int(top_k)
+    if top_p < 1.0:
+        return f"rollout.top_p={top_p:g}"
+    return f"rollout.top_k={top_k}" if top_k > 0 else None
+
+
 def _check_untruncated_sampling(cfg: DictConfig) -> None:
     """Refuse nucleus / top-k sampling in the local trainer's rollouts: the HF engine samples from the
     truncated distribution but reports the full softmax's log-probs, so the IS ratio's denominator is
     not the distribution the tokens were drawn from and the update is biased (the verl path refuses
     it the same way, :func:`otb_tir.verl.compose.check_untruncated_sampling`). Eval trains nothing
     and may truncate."""
-    top_p, top_k = float(cfg.rollout.top_p), int(cfg.rollout.top_k)
-    if top_p < 1.0 or top_k > 0:
-        which = f"rollout.top_p={top_p:g}" if top_p < 1.0 else f"rollout.top_k={top_k}"
+    which = truncated_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
+    if which:
         raise ConfigError(
             f"{which} with the local trainer: its engine samples from the truncated distribution but "
             "reports full-softmax log-probs, so the importance ratio's denominator is not the sampling "

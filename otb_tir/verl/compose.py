@@ -48,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from otb_tir import ConfigError
 from otb_tir.builders import policy_path
+from otb_tir.trainer.config import truncated_sampling
 from otb_tir.verl import require_verl
 from otb_tir.verl.compose_overrides import (
     apply_user_overrides,
@@ -427,9 +428,8 @@ def check_untruncated_sampling(v: DictConfig) -> None:
     reweighting recovers the expectation under π_old (verl issue #6240). Validation sampling
     (``val_kwargs``) trains nothing and is not checked."""
     ro = v.actor_rollout_ref.rollout
-    top_p, top_k = float(ro.get("top_p", 1.0)), int(ro.get("top_k", -1))
-    if top_p < 1.0 or top_k > 0:
-        which = f"rollout.top_p={top_p:g}" if top_p < 1.0 else f"rollout.top_k={top_k}"
+    which = truncated_sampling(ro.get("top_p", 1.0), ro.get("top_k", -1))
+    if which:
         raise ConfigError(
             f"{which} (actor_rollout_ref.rollout.{which.split('.')[1]}) with trainer=verl: verl's rollout "
             "reports the truncated, renormalised log-probs while its actor computes full-softmax ones, so "
