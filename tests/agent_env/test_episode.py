@@ -529,6 +529,7 @@ def test_the_defaults_are_the_trainer_configs_and_from_sections_reads_its_names(
     cfg = load_config(
         None,
         [
+            "trainer=verl",  # the local trainer refuses truncated sampling; the key's mapping is what's tested
             "rollout.response_length=300",
             "rollout.top_k=5",
             "multi_turn.format=code_block",
