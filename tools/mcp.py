@@ -30,7 +30,10 @@ Processes: one client session per server per process. stdio servers die with the
 ``--die-with-parent`` (and its pid namespace), or, unsandboxed, ``PR_SET_PDEATHSIG`` set by a tiny
 launcher before it execs the server; both in a new session. :meth:`MCPTool.close` (the tool set's
 ``close``) stops them. A server that dies (or an HTTP session that breaks) answers the call that
-finds it so with ``ErrorKind.SANDBOX`` and is restarted (``max_restarts`` times) for the next call.
+finds it so with ``ErrorKind.SANDBOX`` (a per-trajectory server: ``ErrorKind.SESSION_LOST``, saying
+its state is gone) and is restarted (``max_restarts`` times) for the next call. The episode's
+``tool_timeout`` bounds the call itself, not a server's start or restart (``start_timeout``); a call
+cut by it may still have taken effect on the server, and its answer says so.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -331,6 +335,7 @@ class MCPServerClient:
         self.starts = 0
         self.restarts = 0
         self.lost = 0
+        self.lost_told = 0  # per_trajectory: losses the trajectory's model was told about
         self.refs = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"mcp-{spec.name}", daemon=True)
@@ -634,18 +639,45 @@ class MCPTool(Tool):
     def isolation(self) -> str:
         return isolation_level(self.client.spec)
 
+    #: the call's ``timeout`` bounds the call itself; a per-trajectory server's start (bounded by
+    #: ``start_timeout``) and a shared server's restart are waited for outside it
+    bounds_itself = True
+
+    @property
+    def capacity_wait_s(self) -> float:  # type: ignore[override]
+        return self.client.spec.start_timeout + 15.0
+
     async def call(self, args: dict[str, Any], *, session_id: str | None = None) -> ToolResult:
-        timeout = self.client.spec.call_timeout
+        return await self.call_bounded(args, session_id=session_id)
+
+    async def call_bounded(
+        self, args: dict[str, Any], *, session_id: str | None = None, timeout: float | None = None
+    ) -> ToolResult:
+        """``tools/call`` bounded by ``timeout`` (the episode's ``tool_timeout``; ``call_timeout`` when it
+        gives none). A per-trajectory server starts first, outside that bound (its own bound is
+        ``start_timeout``): a call the model made correctly does not read "timed out" because its
+        server was still starting."""
+        timeout = self.client.spec.call_timeout if timeout is None else float(timeout)
         client = self.client
-        if client.spec.session == "per_trajectory" and session_id is not None:
+        own = client.spec.session == "per_trajectory" and session_id is not None
+        if own:
             try:
-                client = await client.session_client(session_id)
+                client = await client.session_client(str(session_id))
             except ToolError as e:  # the trajectory's server could not start, or too many are open
                 return ToolResult(text=f"Error: {e}", ok=False, error=ErrorKind.SANDBOX, metrics={"server_lost": 1.0})
         try:
             fut = client.call_future(self.name, args, timeout)
             result = await asyncio.wrap_future(fut)  # cancelling this (the episode's timeout) cancels the call
         except _Lost as e:
+            if own:  # the trajectory's state lived in that process: say it is gone, as the python tool does
+                client.lost_told = client.lost
+                return ToolResult(
+                    text=f"Error: the MCP server {self.server!r} of tool '{self.name}' was lost: {e}. "
+                    "Its state from this trajectory's earlier calls is gone; the next call starts a fresh server.",
+                    ok=False,
+                    error=ErrorKind.SESSION_LOST,
+                    metrics={"server_lost": 1.0},
+                )
             return ToolResult(
                 text=f"Error: the MCP server {self.server!r} of tool '{self.name}' was lost: {e}",
                 ok=False,
@@ -656,12 +688,25 @@ class MCPTool(Tool):
             from mcp import MCPError
 
             if isinstance(e, MCPError) and "timed out" in e.error.message.lower():
+                # the request was sent: the server may have acted on it (and may still be acting)
                 return ToolResult(
-                    text=f"Error: tool '{self.name}' timed out after {timeout:g} s.", ok=False, error=ErrorKind.TIMEOUT
+                    text=f"Error: tool '{self.name}' timed out after {timeout:g} s. The request had reached "
+                    "its server, so it may still have taken effect there.",
+                    ok=False,
+                    error=ErrorKind.TIMEOUT,
                 )
             msg = e.error.message if isinstance(e, MCPError) else _describe_exc(e)
             return ToolResult(text=f"Error: tool '{self.name}' failed: {msg}", ok=False, error=ErrorKind.RUNTIME)
-        return _to_result(self.name, result)
+        out = _to_result(self.name, result)
+        if own and client.lost > client.lost_told:  # restarted after a loss another call of this trajectory met
+            client.lost_told = client.lost
+            out = dataclasses.replace(
+                out,
+                text=f"Note: the MCP server {self.server!r} was restarted after it was lost; its state from this "
+                "trajectory's earlier calls is gone.\n" + out.text,
+                metrics={**out.metrics, "server_lost": 1.0},
+            )
+        return out
 
     async def release(self, session_id: str) -> None:
         """The trajectory ended: close its own session (``"session": "per_trajectory"``; idempotent,

@@ -459,7 +459,12 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
         "finish": [t.finish_reason for t in trajs],
     }
     real_turns = ids_equal = mask0_ok = mask0_spans = 0
-    stream_ok = 0
+    stream_ok = ended_on_other_eos = 0
+    mismatches: list[dict[str, str]] = []
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    other_eos = set(eos if isinstance(eos, list) else [eos]) - {tok.convert_tokens_to_ids("<|im_end|>")}
     for t in trajs:
         for turn in t.turns:
             context = tuple(t.prompt_ids + t.response_ids[: turn.start])
@@ -487,7 +492,23 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
                 )
         final = tok.apply_chat_template(t.messages, tools=env.template.tool_schemas, tokenize=False)
         stream = tok.decode(t.prompt_ids + t.response_ids)
-        stream_ok += int(final.startswith(stream) and final[len(stream) :] in ("\n", "<|im_end|>\n"))
+        if final.startswith(stream) and final[len(stream) :] in ("\n", "<|im_end|>\n"):
+            stream_ok += 1
+        elif (
+            t.response_ids
+            and t.response_ids[-1] in other_eos
+            and t.template_mismatch is not None
+            and final == tok.decode(t.prompt_ids + t.response_ids[:-1]) + "<|im_end|>\n"
+        ):
+            # the engine stopped on another eos id of the model's generation config (sglang and vLLM
+            # stop on those too; <|endoftext|> here): the model's tokens are kept, the only difference
+            # is the closing token, and the episode flags it template_mismatch as documented
+            stream_ok += 1
+            ended_on_other_eos += 1
+        else:  # where the decoded stream leaves the template's rendering, for the test's message
+            at = next((i for i, (a, b) in enumerate(zip(stream, final)) if a != b), min(len(stream), len(final)))
+            lo = max(0, at - 80)
+            mismatches.append({"stream": stream[lo : at + 80], "template": final[lo : at + 80]})
     res.update(
         {
             "real_turns": real_turns,
@@ -495,6 +516,8 @@ async def episode_check(engine: Any, tok: Any, hf: Any, model_dir: str) -> dict[
             "mask0_spans": mask0_spans,
             "mask0_spans_exact": mask0_ok,
             "stream_equals_template": stream_ok,
+            "stream_mismatches": mismatches,
+            "ended_on_other_eos": ended_on_other_eos,
         }
     )
     # log-probs recomputed over the collated batch (left-padded prompts, masks, position ids)

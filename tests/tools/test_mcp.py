@@ -23,6 +23,7 @@ from tests.support.user_runs import TRAIN, read_log
 
 need("mcp", "multi_turn.mcp_servers needs the MCP SDK: pip install -e '.[mcp]'")
 
+from agent_env import EpisodeConfig  # noqa: E402
 from tools import ErrorKind, ToolError, build_tool_set  # noqa: E402
 from tools.mcp import build_mcp_tools  # noqa: E402
 
@@ -39,6 +40,9 @@ PROC = uuid.uuid4().hex  # one per server process (the pid is 2 in every bubblew
 if os.environ.get("FAIL_START"):
     print("cannot open the index: /nonexistent/index.db", file=sys.stderr, flush=True)
     sys.exit(3)
+if os.environ.get("START_DELAY"):  # a server that takes a while to start (a big index to load)
+    import time
+    time.sleep(float(os.environ["START_DELAY"]))
 app = MCPServer("test-server")
 
 
@@ -204,6 +208,8 @@ def test_hanging_call_times_out_and_the_next_call_works(notes):
     ts, log, _ = notes
     res = run(ts["hang"].invoke({}, timeout=1.0))
     assert not res.ok and res.error == ErrorKind.TIMEOUT and res.metrics["latency_ms"] < 5000
+    # the request had reached the server (it logged it): the model is told it may have taken effect
+    assert "may still have taken effect" in res.text
     after = run(ts["lookup"].invoke({"query": "after"}, timeout=10))
     assert after.ok and after.text == "note about after"
     assert calls(log, "hang") and calls(log, "lookup")[-1]["args"] == {"query": "after"}
@@ -450,6 +456,59 @@ def test_per_trajectory_sessions_keep_each_trajectorys_state_and_end_with_it(tmp
             assert tool.client.sessions_opened == 3 and not tool.client._sessions  # all released
         else:
             assert texts == ["a", "a,b", "a,b,c", "a,b,c,d"] and len(set(procs)) == 1
+    finally:
+        run(ts.close())
+
+
+def test_per_trajectory_servers_start_outside_the_calls_timeout(tmp_path):
+    """Six trajectories make their first call together at the episode's default tool_timeout (5 s),
+    each to a per-trajectory server that takes 6 s to start: the start is bounded by start_timeout,
+    not by the call's timeout, so every call the model made correctly is answered (on the old code
+    all six read "timed out")."""
+    cfg, log = stdio_config(tmp_path / "servers", "slow", session="per_trajectory", env={"START_DELAY": "6"})
+    ts = build_tool_set(["remember"], None, None, str(cfg))
+    tool = ts["remember"]
+    timeout = EpisodeConfig().tool_timeout
+    assert timeout == 5.0
+
+    async def go() -> list:
+        res = await asyncio.gather(
+            *(tool.invoke({"value": f"v{i}"}, session_id=f"t{i}", timeout=timeout) for i in range(6))
+        )
+        for i in range(6):
+            await tool.release(f"t{i}")
+        return res
+
+    try:
+        res = run(go())
+        assert [(r.ok, r.text) for r in res] == [(True, f"v{i}") for i in range(6)], [r.text for r in res]
+        assert len({c["proc"] for c in calls(log, "remember")}) == 6  # one server per trajectory
+    finally:
+        run(ts.close())
+
+
+def test_a_lost_per_trajectory_server_tells_the_model_its_state_is_gone(tmp_path):
+    """A trajectory's own server dies: the call that finds it so says the trajectory's state is gone
+    (``session_lost``, as the python tool says of a lost session), and the next call of the
+    trajectory runs on a fresh server that remembers nothing of before."""
+    cfg, log = stdio_config(tmp_path / "servers", "memo", session="per_trajectory")
+    ts = build_tool_set(["remember", "crash"], None, None, str(cfg))
+
+    async def go() -> list:
+        out = [await ts["remember"].invoke({"value": "a"}, session_id="t1", timeout=30)]
+        out.append(await ts["crash"].invoke({}, session_id="t1", timeout=30))
+        out.append(await ts["remember"].invoke({"value": "b"}, session_id="t1", timeout=60))
+        await ts["remember"].release("t1")
+        return out
+
+    try:
+        first, lost, again = run(go())
+        assert first.ok and first.text == "a"
+        assert not lost.ok and lost.error == ErrorKind.SESSION_LOST and lost.metrics["server_lost"] == 1.0
+        assert "state from this trajectory's earlier calls is gone" in lost.text and "'memo'" in lost.text
+        assert again.ok and again.text == "b"  # a fresh server: "a" is not remembered
+        procs = [c["proc"] for c in calls(log)]
+        assert procs[0] == procs[1] != procs[2]
     finally:
         run(ts.close())
 
