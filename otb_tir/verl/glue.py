@@ -7,8 +7,9 @@ function replaced at run time), why, and the upstream change that would make it 
 the tests check that every patch the code applies has its row.
 
 Also here, because they are the mechanisms the rows use: :func:`after_import` (run a hook once a
-verl module is imported, without importing it early) and :func:`wrapped_v1_advantage` (the one
-patch of verl's V1 trainer). Nothing here imports verl at import time.
+verl module is imported, without importing it early), :func:`wrapped_v1_advantage` (the one
+patch of verl's V1 trainer) and :func:`install_fsdp2_save_copy` (π_old's saved copy, every
+device). Nothing here imports verl at import time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
-__all__ = ["GLUE", "Glue", "after_import", "patch_ids", "render_table", "wrapped_v1_advantage"]
+__all__ = [
+    "GLUE",
+    "Glue",
+    "after_import",
+    "install_fsdp2_save_copy",
+    "patch_ids",
+    "render_table",
+    "wrapped_v1_advantage",
+]
 
 
 @dataclass(frozen=True)
@@ -199,15 +208,16 @@ GLUE: tuple[Glue, ...] = (
     ),
     Glue(
         "fsdp2_save_copy",
-        "otb_tir.verl.cpu",
+        "otb_tir.verl.v1 (and otb_tir.verl.cpu)",
         "verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu (called by "
         "verl.experimental.separation.engine_workers.DetachActorWorker.save_model_to_cpu)",
         "patch",
-        "cpu",
+        "all",
         "separate_async keeps π_old as this function's CPU copy of the actor's shards, but .detach().cpu() of a "
-        "CPU tensor is the live parameter: each optimizer step moves the saved π_old too, and restoring it "
-        "copies the current weights onto themselves (old log-probs silently from the current policy). The "
-        "wrapper clones every saved tensor that shares storage with a parameter",
+        "CPU tensor is the live parameter (a CPU run; an accelerator run with param_offload=True): each optimizer "
+        "step moves the saved π_old too, and restoring it copies the current weights onto themselves (old "
+        "log-probs silently from the current policy). The wrapper clones every saved tensor that shares storage "
+        "with a parameter; the plugin entry point installs it in every verl process",
         "fsdp2_sharded_save_to_cpu: .detach().to('cpu', copy=True) (or .clone()), as fsdp1_sharded_save_to_cpu does",
     ),
     Glue(
@@ -333,6 +343,41 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
 
 
 _finder = _AfterImportFinder()
+
+
+def _copying_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``fsdp2_sharded_save_to_cpu`` whose saved tensors never share storage with the model's."""
+    if getattr(original, "_otb_tir_copy", False):
+        return original
+
+    @functools.wraps(original)
+    def fsdp2_sharded_save_to_cpu(model: Any) -> Any:
+        state, spec = original(model)
+        live = set()
+        for param in model.parameters():
+            local = getattr(param, "_local_tensor", param)  # a DTensor's shard, or the tensor itself
+            live.add((local.device, local.untyped_storage().data_ptr()))
+        copied = {
+            name: (tensor.clone() if (tensor.device, tensor.untyped_storage().data_ptr()) in live else tensor, spec_)
+            for name, (tensor, spec_) in state.items()
+        }
+        return copied, spec
+
+    fsdp2_sharded_save_to_cpu._otb_tir_copy = True  # type: ignore[attr-defined]
+    return fsdp2_sharded_save_to_cpu
+
+
+def install_fsdp2_save_copy() -> None:
+    """Row ``fsdp2_save_copy``: π_old's saved copy in verl's separate_async is a copy, on every device
+    (a CPU run, and an accelerator run with ``param_offload=True``, both keep the parameters on the
+    CPU, where verl's ``.detach().cpu()`` is the live tensor). Idempotent."""
+
+    def patch(module: ModuleType) -> None:
+        # DetachActorWorker imports the name from the module when it first saves, so the module's
+        # attribute is the one to replace
+        module.fsdp2_sharded_save_to_cpu = _copying_save(module.fsdp2_sharded_save_to_cpu)
+
+    after_import("verl.utils.fsdp_utils", patch)
 
 
 def after_import(module_name: str, hook: Callable[[ModuleType], None]) -> None:

@@ -490,11 +490,13 @@ def register(module: Any = None) -> list[str]:
 
 
 def _on_import() -> None:
-    """Loaded through ``VERL_USE_EXTERNAL_MODULES`` on ``import verl``: register the modes once verl's
-    V1 package is imported (importing it here, inside ``import verl``, would be circular)."""
-    from otb_tir.verl.glue import after_import
+    """Loaded on ``import verl`` (verl's plugin entry point): register the modes once verl's V1 package
+    is imported (importing it here, inside ``import verl``, would be circular), and make π_old's saved
+    copy a copy (glue row ``fsdp2_save_copy``)."""
+    from otb_tir.verl.glue import after_import, install_fsdp2_save_copy
 
     after_import("verl.trainer.ppo.v1", register)
+    install_fsdp2_save_copy()  # π_old in separate_async must be a copy wherever the parameters sit on the CPU
 
 
 _on_import()

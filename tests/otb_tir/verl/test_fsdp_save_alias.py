@@ -5,8 +5,9 @@ actor's shards with ``fsdp2_sharded_save_to_cpu`` (``verl/utils/fsdp_utils.py``)
 update of a ``parameter_sync_step`` cycle and restores them for every later old-log-prob pass. That
 save takes ``param._local_tensor.detach().cpu()``, which on a CPU tensor is the live parameter: the
 optimizer step moves the "saved" π_old along, and the restore copies the current weights onto
-themselves. The CPU layer (:mod:`otb_tir.verl.cpu`, patch ``fsdp2_save_copy``, glue row of the same
-id) makes the saved tensors copies.
+themselves. The glue row ``fsdp2_save_copy`` makes the saved tensors copies, installed by the CPU
+layer (:mod:`otb_tir.verl.cpu`) and by our plugin entry point alone (:mod:`otb_tir.verl.v1`: a GPU
+run with ``param_offload=True`` keeps the parameters on the CPU too).
 
 Each probe is a fresh process that gets verl the way a run's processes do (``import verl``; with
 :func:`otb_tir.verl.cpu.cpu_env` that loads the CPU layer through ``VERL_USE_EXTERNAL_MODULES``),
@@ -73,7 +74,7 @@ worker.restore_model_from_cpu(1)
 back = weights()
 same = lambda a, b: all(torch.equal(a[n], b[n]) for n in a)
 print("PROBE " + json.dumps({
-    "patched": getattr(worker.copy_handler, "_otb_tir_cpu", False),
+    "patched": getattr(worker.copy_handler, "_otb_tir_copy", False),
     "step_moved_weights": not same(pi_old, current),
     "saved_is_pi_old": same(saved, pi_old),
     "saved_is_current": same(saved, current),
@@ -84,11 +85,14 @@ dist.destroy_process_group()
 """
 
 
-def _probe(patched: bool) -> subprocess.Popen:
+def _probe(how: str) -> subprocess.Popen:
+    """``how``: "none" (verl as installed: neither our plugin nor the CPU layer), "plugin" (verl's
+    plugin entry point only, as on an accelerator machine) or "cpu" (the CPU layer, as a run here)."""
     from otb_tir.verl.cpu import ENV_FLAG, cpu_env
 
     env = {k: v for k, v in os.environ.items() if k not in (ENV_FLAG, "VERL_USE_EXTERNAL_MODULES")}
-    if patched:
+    env["VERL_USE_EXTERNAL_PLUGINS"] = "none" if how == "none" else "auto"
+    if how == "cpu":
         env.update(cpu_env())
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
@@ -97,31 +101,34 @@ def _probe(patched: bool) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def probes() -> dict[bool, dict]:
-    running = {patched: _probe(patched) for patched in (False, True)}  # both at once: two cores
+def probes() -> dict[str, dict]:
     found = {}
-    for patched, proc in running.items():
-        out, _ = proc.communicate(timeout=600)
-        lines = [line for line in out.splitlines() if line.startswith("PROBE ")]
-        assert proc.returncode == 0 and lines, f"probe (patched={patched}) failed:\n{out[-4000:]}"
-        found[patched] = json.loads(lines[-1][len("PROBE ") :])
+    for batch in (("none", "plugin"), ("cpu",)):  # two at once: two cores
+        running = {how: _probe(how) for how in batch}
+        for how, proc in running.items():
+            out, _ = proc.communicate(timeout=600)
+            lines = [line for line in out.splitlines() if line.startswith("PROBE ")]
+            assert proc.returncode == 0 and lines, f"probe ({how}) failed:\n{out[-4000:]}"
+            found[how] = json.loads(lines[-1][len("PROBE ") :])
     return found
 
 
 @pytest.mark.slow
 def test_unpatched_verl_keeps_a_view_of_the_live_weights_as_pi_old(probes):
     """The bug, on verl as installed: π_old's saved copy follows the optimizer step."""
-    r = probes[False]
+    r = probes["none"]
     assert not r["patched"] and r["step_moved_weights"]
     assert r["saved_is_current"] and not r["saved_is_pi_old"]
     assert not r["restored_old_is_pi_old"], "restoring π_old gives the current weights"
 
 
 @pytest.mark.slow
-def test_the_cpu_layer_makes_the_saved_pi_old_a_copy(probes):
-    """With the CPU layer as a run loads it: the saved copy differs from the current weights, and
-    restoring it gives π_old back (then the current weights again)."""
-    r = probes[True]
+@pytest.mark.parametrize("how", ["cpu", "plugin"])
+def test_the_saved_pi_old_is_a_copy_with_the_cpu_layer_and_with_the_plugin_alone(probes, how):
+    """With the CPU layer as a run loads it, and with only verl's plugin entry point (an accelerator
+    machine whose parameters are offloaded to the CPU): the saved copy differs from the current
+    weights, and restoring it gives π_old back (then the current weights again)."""
+    r = probes[how]
     assert r["patched"] and r["step_moved_weights"]
     assert r["saved_is_pi_old"] and not r["saved_is_current"]
     assert r["restored_old_is_pi_old"] and r["back_to_current"]
