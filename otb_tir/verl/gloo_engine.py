@@ -8,7 +8,9 @@ is in-process only. This one is registered as ``gloo`` in verl's ``CheckpointEng
 ``verl.checkpoint_engine.base`` is imported, by importing this module (:mod:`otb_tir.verl.cpu`
 does, in every process of a CPU run; ``checkpoint_engine.custom_backend_module`` naming this module
 would too). Select it with ``actor_rollout_ref.rollout.checkpoint_engine.backend=gloo``; options go
-in ``checkpoint_engine.engine_kwargs.gloo`` (``timeout_s``, ``host``).
+in ``checkpoint_engine.engine_kwargs.gloo`` (``timeout_s``; ``host``: the address of the actor's rank
+0, where the store listens, default Ray's node address; verl hands the same options to every
+member, so the others bind their own address on the route to it, never ``host``).
 
 One sync, as verl drives it (``update_weights`` → ``build_process_group`` → ``send_weights`` /
 ``receive_weights`` → ``finalize``):
@@ -78,6 +80,21 @@ def _own_host(host: str | None) -> str:
     except Exception:  # noqa: BLE001 - no Ray, or not in a Ray worker: one host
         pass
     return "127.0.0.1"
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on its route to ``host``: where the sync's other members reach this
+    one (a rollout worker on another machine than the actor's rank 0 binds its own address, not the
+    master's). No packet is sent; a UDP socket's ``connect`` only picks the route."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return _own_host(None)
 
 
 def _align(offset: int) -> int:
@@ -179,7 +196,9 @@ class _GlooEngineMethods:
         self._store = PrefixStore(f"otb_tir_gloo/{master_metadata['token']}/", store)
         options = ProcessGroupGloo._Options()
         options._timeout = self._timeout
-        options._devices = [ProcessGroupGloo.create_device(hostname=_own_host(self.host))]
+        # rank 0 binds its own address (``host``); every other member the address of its route to rank 0
+        own = _own_host(self.host) if self.rank == 0 else _address_towards(host)
+        options._devices = [ProcessGroupGloo.create_device(hostname=own)]
         try:
             self._pg = ProcessGroupGloo(self._store, self.rank, self.world_size, options)
         except Exception as exc:  # noqa: BLE001

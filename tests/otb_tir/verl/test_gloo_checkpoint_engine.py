@@ -233,3 +233,44 @@ def test_a_sender_that_never_sends_is_an_error_naming_the_phase():
         asyncio.run(receive())
     receiver.finalize()
     master.finalize()
+
+
+# --------------------------------------------------------------------------- members on other machines
+@pytest.mark.timeout(180)
+def test_each_member_binds_its_own_address_not_the_masters_host():
+    """verl hands every member the same ``engine_kwargs`` (``host`` is the actor rank 0's address):
+    a rollout worker on another machine must bind its own address, or it cannot join. Here the
+    master is at 127.0.0.2 and the receiver's route to it starts at 127.0.0.1 (two "machines" on
+    one loopback): the master listens at 127.0.0.2 and the receiver at 127.0.0.1 (on the old code both
+    bound 127.0.0.2, which only works where the member *is* that machine), and the weights arrive."""
+    import psutil
+
+    master = _engine(is_master=True, host="127.0.0.2")
+    receiver = _engine(host="127.0.0.2")  # the same options, as verl gives them
+    master.timeout_s = receiver.timeout_s = 60.0
+    actor_kw, rollout_kw = type(master).build_topology(1, 1, [master.prepare(), {"master": False}])
+
+    def listening() -> set:
+        return {c.laddr for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+    before = listening()  # the store's (it listens on every interface) and what earlier tests left
+    joined = threading.Thread(target=master.init_process_group, kwargs=_kwargs(actor_kw, 0))
+    joined.start()
+    receiver.init_process_group(**_kwargs(rollout_kw, 0))
+    joined.join()
+    try:
+        # the group's listening sockets: one per member, at the address it bound
+        assert sorted(a.ip for a in listening() - before) == ["127.0.0.1", "127.0.0.2"]
+        weights = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+        sent = threading.Thread(target=lambda: asyncio.run(master.send_weights(iter(weights.items()))))
+        sent.start()
+
+        async def receive():
+            return [(name, t.clone()) async for name, t in receiver.receive_weights()]
+
+        got = asyncio.run(receive())
+        sent.join()
+        assert [n for n, _ in got] == ["w"] and torch.equal(got[0][1], weights["w"])
+    finally:
+        receiver.finalize()
+        master.finalize()
