@@ -144,7 +144,10 @@ def test_the_readme_verl_command_writes_what_the_local_trainer_writes(resumed_sy
         assert not provisional or step == 2, step  # only the step the run was killed after
         phases = ("gen", "old_log_prob", "adv", "update_actor", "step", "trainer_idle")
         for phase in phases if provisional else (*phases, "update_weights", "rollout_idle"):
-            assert r[f"timing/{phase}_s"] >= 0.0, (step, phase)
+            assert r[f"timing/{phase}_s"] > 0.0, (step, phase)  # each one ran (measured: 7 ms to 14 s)
+        # V1 sync runs its phases one after the other inside the step (measured: 10.45 s of phases in a 10.53 s step)
+        inside = sum(r[f"timing/{phase}_s"] for phase in ("gen", "old_log_prob", "adv", "update_actor"))
+        assert r["timing/step_s"] >= inside - 1e-3, (step, r["timing/step_s"], inside)
         assert r["tools/calls"] > 0  # tools were called
         # V1 sync: on-policy (every sample at lag 0), and how long each side waited on the other
         assert r["staleness/samples"] > 0 and r["staleness/lag_0"] == r["staleness/samples"]
@@ -306,9 +309,11 @@ def test_each_trainer_mode_keeps_the_contract_and_gets_sum_pi_squared(mode_runs)
     if mode != "legacy":
         assert v.trainer.v1.trainer_mode == f"otb_{mode}"
         for r in steps.values():  # how long each side waited on the other, and the staleness histogram
-            assert r["timing/trainer_idle_s"] > 0 and r["staleness/max"] >= 0
-            # a row kept from before its checkpoint (the run killed in between) has no rollout idle yet
-            assert r.get("row/provisional") == 1.0 or r["timing/rollout_idle_s"] >= 0
+            # sync is on-policy; the async modes at most one version behind (max_off_policy_threshold 2)
+            assert r["timing/trainer_idle_s"] > 0 and r["staleness/max"] in ((0.0,) if mode == "sync" else (0.0, 1.0))
+            # a row kept from before its checkpoint (the run killed in between) has no rollout idle yet;
+            # otherwise the rollout waited at least for its weight sync (measured: 0.11 s to 14 s)
+            assert r.get("row/provisional") == 1.0 or r["timing/rollout_idle_s"] > 0
             assert sum(v for k, v in r.items() if k.startswith("staleness/lag_")) == r["staleness/samples"] > 0
     if mode == "separate_async":  # the rollout on its own pool, weights moved by our gloo engine once per step
         assert v.actor_rollout_ref.hybrid_engine is False
