@@ -294,7 +294,27 @@ def _interpreter_dirs(spec: ServerSpec) -> list[str]:
                 key, _, value = line.partition("=")
                 if key.strip() == "home" and value.strip():
                     out.append(str(Path(value.strip()).resolve().parent))
+            out += _pth_dirs_under_tmp(root)
+    for entry in spec.env.get("PYTHONPATH", "").split(os.pathsep):  # the server's own path entries
+        if entry.startswith("/tmp/") and Path(entry).is_dir():
+            out.append(str(Path(entry).resolve()))
     return [d for d in out if d not in ("/", "/tmp") and not d.startswith("/usr")]
+
+
+def _pth_dirs_under_tmp(venv: Path) -> list[str]:
+    """The folders a venv's ``.pth`` files put on ``sys.path`` that lie under /tmp (an editable
+    install of a checkout under /tmp, a venv stacked on another): the private /tmp would hide them.
+    Only paths the interpreter itself adds at start; ``import`` lines are not run."""
+    out = []
+    for pth in venv.glob("lib/python3*/site-packages/*.pth"):
+        for line in pth.read_text(errors="replace").splitlines():
+            line = line.strip()
+            if not line or line.startswith(("#", "import ", "import\t")):
+                continue
+            d = (pth.parent / line).resolve()
+            if str(d).startswith("/tmp/") and d.is_dir():
+                out.append(str(d))
+    return out
 
 
 def stdio_command(spec: ServerSpec, parent_pid: int | None = None) -> list[str]:

@@ -40,6 +40,8 @@ PROC = uuid.uuid4().hex  # one per server process (the pid is 2 in every bubblew
 if os.environ.get("FAIL_START"):
     print("cannot open the index: /nonexistent/index.db", file=sys.stderr, flush=True)
     sys.exit(3)
+for _module in filter(None, os.environ.get("EXTRA_MODULES", "").split(",")):  # the server's own imports
+    __import__(_module)
 if os.environ.get("START_DELAY"):  # a server that takes a while to start (a big index to load)
     import time
     time.sleep(float(os.environ["START_DELAY"]))
@@ -515,14 +517,22 @@ def test_a_lost_per_trajectory_server_tells_the_model_its_state_is_gone(tmp_path
 
 def test_stdio_server_with_a_venv_under_tmp(tmp_path):
     """A checkout and venv under /tmp (a CI clone): the sandbox's private /tmp must not hide the
-    venv's interpreter (bin/python, pyvenv.cfg, site-packages) nor the server's script and cwd."""
+    venv's interpreter (bin/python, pyvenv.cfg, site-packages), the folders its .pth files add (an
+    editable install, a venv stacked on another: CI's own venv is under /tmp too), the server's
+    PYTHONPATH entries, nor the server's script and cwd."""
     assert str(tmp_path).startswith("/tmp/")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
     # the test's own venv stands in for the system site-packages (it has the mcp SDK)
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "outer.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
-    cfg, log = stdio_config(tmp_path / "servers", "tmpvenv", command=str(venv / "bin" / "python"))
+    # an editable install of a checkout under /tmp (a .pth line) and a PYTHONPATH entry under /tmp
+    for folder, module in (("checkout", "tmp_editable_pkg"), ("pythonpath", "tmp_pythonpath_pkg")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{module}.py").write_text("VALUE = 1\n")
+    (site / "editable.pth").write_text(str(tmp_path / "checkout") + "\n")
+    env = {"EXTRA_MODULES": "tmp_editable_pkg,tmp_pythonpath_pkg", "PYTHONPATH": str(tmp_path / "pythonpath")}
+    cfg, log = stdio_config(tmp_path / "servers", "tmpvenv", command=str(venv / "bin" / "python"), env=env)
     spec = json.loads(cfg.read_text())
     spec["mcpServers"]["tmpvenv"]["cwd"] = str(tmp_path / "servers")
     cfg.write_text(json.dumps(spec))
