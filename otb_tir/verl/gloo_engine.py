@@ -196,8 +196,8 @@ class _GlooEngineMethods:
         self._store = PrefixStore(f"otb_tir_gloo/{master_metadata['token']}/", store)
         options = ProcessGroupGloo._Options()
         options._timeout = self._timeout
-        # rank 0 binds its own address (``host``); every other member the address of its route to rank 0
-        own = _own_host(self.host) if self.rank == 0 else _address_towards(host)
+        # rank 0 binds the address it published in prepare(); every other member its route's address to rank 0
+        own = host if self.rank == 0 else _address_towards(host)
         options._devices = [ProcessGroupGloo.create_device(hostname=own)]
         try:
             self._pg = ProcessGroupGloo(self._store, self.rank, self.world_size, options)
