@@ -4,8 +4,10 @@ the exact command: the one way measured figures reach the results page.
     python benchmarks/record.py NAME "Title" -- python benchmarks/bench_advantage.py --reps 5
 
 The section is the text between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; a new
-run replaces it (the rest of the page is kept as it is), a first run appends it. A command that
-exits non-zero writes nothing and its exit code is this script's.
+run replaces it (the rest of the page is kept as it is), a first run appends it. The page keeps
+only each claim's latest figure: the section a rerun replaces is first appended, verbatim, to the
+log docs/results-log.md (``--log``), which is only ever appended to. A command that exits
+non-zero writes nothing and its exit code is this script's.
 
 A run on another machine (a lent GPU) is recorded from what it printed there, with that machine's
 description, without running the command here:
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+LOG = RESULTS.with_name("results-log.md")
 
 
 def machine() -> str:
@@ -42,11 +45,20 @@ def section(name: str, title: str, command: list[str], output: str, *, when: str
     )
 
 
-def write_section(path: Path, name: str, text: str) -> None:
-    """Replace section ``name`` of ``path`` with ``text`` (or append it), keeping the rest."""
+def write_section(path: Path, name: str, text: str, *, log: Path | None = None) -> None:
+    """Replace section ``name`` of ``path`` with ``text`` (or append it), keeping the rest; the
+    replaced section is first appended verbatim to ``log`` (when given), with the date it moved."""
     page = path.read_text() if path.exists() else "# Measured results\n"
     pattern = re.compile(rf"<!-- results:{re.escape(name)} -->\n.*?<!-- /results:{re.escape(name)} -->\n", re.S)
-    if pattern.search(page):
+    old = pattern.search(page)
+    if old:
+        if log is not None:
+            history = log.read_text() if log.exists() else "# Results log\n"
+            moved = f"_Moved from results.md on {_dt.date.today().isoformat()} (replaced by a rerun)._\n\n"
+            history = history.rstrip("\n") + "\n\n" + moved + old.group(0)
+            tmp = log.with_suffix(".tmp")
+            tmp.write_text(history)
+            os.replace(tmp, log)
         page = pattern.sub(lambda _: text, page, count=1)
     else:
         page = page.rstrip("\n") + "\n\n" + text
@@ -65,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="section name (letters, digits, - and _)")
     p.add_argument("title", help="the section's heading")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--log", type=Path, default=LOG, help="where a replaced section goes (appended)")
     p.add_argument("--printed", type=Path, help="what the command printed on another machine (not run here)")
     p.add_argument("--machine", help="that machine's description (with --printed)")
     args = p.parse_args(argv[:cut])
@@ -84,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             return proc.returncode
         output, where = proc.stdout, machine()
     when = _dt.date.today().isoformat()
-    write_section(args.results, args.name, section(args.name, args.title, command, output, when=when, where=where))
+    text = section(args.name, args.title, command, output, when=when, where=where)
+    write_section(args.results, args.name, text, log=args.log)
     print(f"record: section '{args.name}' of {args.results} written", file=sys.stderr)
     return 0
 

@@ -11,8 +11,9 @@ RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "record.py"
 
 
 def _record(results: Path, *args: str) -> subprocess.CompletedProcess:
+    log = results.with_name("results-log.md")  # never the project's own log
     return subprocess.run(
-        [sys.executable, str(RECORD), *args[:2], "--results", str(results), *args[2:]],
+        [sys.executable, str(RECORD), *args[:2], "--results", str(results), "--log", str(log), *args[2:]],
         capture_output=True,
         text=True,
         timeout=60,
@@ -35,6 +36,23 @@ def test_a_run_writes_its_section_with_date_machine_and_command_and_a_rerun_repl
     text = page.read_text()
     assert "ratio 2.50" in text and "ratio 1.25" not in text  # replaced, not appended
     assert text.count("<!-- results:demo -->") == 1 and "hand-written intro" in text
+
+
+def test_a_rerun_leaves_one_section_in_the_page_and_moves_the_previous_one_to_the_log(tmp_path):
+    page = tmp_path / "results.md"
+    log = tmp_path / "results-log.md"
+    page.write_text("# Measured results\n")
+    assert _record(page, "demo", "Demo", "--", sys.executable, "-c", "print('ratio 1.25')").returncode == 0
+    assert not log.exists()  # a first run replaces nothing
+    assert _record(page, "demo", "Demo", "--", sys.executable, "-c", "print('ratio 2.50')").returncode == 0
+    text, history = page.read_text(), log.read_text()
+    assert text.count("<!-- results:demo -->") == 1 and "ratio 2.50" in text and "ratio 1.25" not in text
+    assert history.count("<!-- results:demo -->") == 1 and "ratio 1.25" in history and "ratio 2.50" not in history
+    assert "Moved from results.md on " in history
+    assert _record(page, "demo", "Demo", "--", sys.executable, "-c", "print('ratio 3.75')").returncode == 0
+    history = log.read_text()  # appended to, never rewritten: oldest first
+    assert history.count("<!-- results:demo -->") == 2 and history.index("ratio 1.25") < history.index("ratio 2.50")
+    assert "ratio 3.75" in page.read_text() and "ratio 3.75" not in history
 
 
 def test_a_failing_benchmark_writes_nothing_and_passes_its_exit_code_on(tmp_path):
