@@ -7,7 +7,6 @@ import collections
 import dataclasses
 import logging
 import math
-import re
 import time
 import weakref
 from dataclasses import dataclass
@@ -17,21 +16,9 @@ from tools.base import ErrorKind, Tool, ToolError, ToolResult
 from tools.sandbox.backends import Backend, DockerBackend, make_backend
 from tools.sandbox.host_worker import RunReply, WorkerDied, WorkerProcess
 from tools.sandbox.pool import WorkerPool
+from tools.sandbox.result_cache import ResultCache, cacheable
 
 log = logging.getLogger(__name__)
-
-# snippets whose output is not a function of the code alone are never served from the cache (nor share
-# a concurrent run): randomness (random, numpy.random, sympy's randprime / randMatrix / randint: any name
-# starting with "rand"), time and dates, ids and hashes (``id()``, ``hash()``: addresses and per-process
-# string hashing), uninitialised memory (``np.empty``), sets (their order of strings follows the
-# process's hash seed), the process, its environment, files, threads. A list can never be complete:
-# a snippet that reads nondeterminism another way (say ``object.__repr__`` of an address) is cached;
-# the cache is an LRU of ``cache_size`` entries, and ``cache=False`` turns it off.
-_NONDETERMINISTIC = re.compile(
-    r"\brand|random|shuffle|time|today|now\s*\(|uuid|urandom|secrets|getpid|gethostname|platform|"
-    r"\bid\s*\(|\bhash\s*\(|\bempty(_like)?\s*\(|\b(frozen)?set\b|\{[^{}:\n]*,[^{}:\n]*\}|"
-    r"input\s*\(|environ|listdir|scandir|glob|open\s*\(|thread|multiprocessing|concurrent"
-)
 
 # performance switches of the sandbox worker (benchmarks/bench_sandbox.py compares them): raw_fork
 # and thp in tools/sandbox/worker_child.py; the opt-in prefault and profile are the separate
@@ -54,35 +41,6 @@ _STATUS_TO_ERROR = {
     "output_cut": ErrorKind.OUTPUT_CUT,
     "sandbox": ErrorKind.SANDBOX,
 }
-
-
-class _Flight:
-    """A cacheable snippet's run in progress and the calls waiting on it. A waiter that is
-    cancelled leaves the run to the others; the last one to leave stops it (as the snippet of a
-    cancelled call was always stopped), and the run is then *abandoned*: no call joins it."""
-
-    def __init__(self, task: asyncio.Task[ToolResult]) -> None:
-        self.task = task
-        self.waiters = 0
-        self.abandoned = False
-        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())  # never "unretrieved"
-
-    async def wait(self) -> ToolResult | None:
-        """The run's result; None if the run was stopped while this call was not (it is then the
-        call's to run the snippet itself)."""
-        self.waiters += 1
-        try:
-            return await asyncio.shield(self.task)
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is not None and not me.cancelling():  # the run was stopped, not this call
-                return None
-            if self.waiters == 1 and not self.task.done():
-                self.abandoned = True
-                self.task.cancel()
-            raise
-        finally:
-            self.waiters -= 1
 
 
 @dataclass
@@ -230,8 +188,7 @@ class PythonTool(Tool):
         )
         self._sessions: dict[str, WorkerProcess] = {}
         self._session_locks: dict[str, asyncio.Lock] = {}
-        self._cache: collections.OrderedDict[tuple[str, float, int], ToolResult] = collections.OrderedDict()
-        self._inflight: dict[tuple[str, float, int], _Flight] = {}
+        self._cache = ResultCache(self.cache_size)
         self.stats = SandboxStats()
         self.errors_by_kind: collections.Counter[str] = collections.Counter()
         self._finalizer = weakref.finalize(self, _kill_everything, self.pool, self._sessions)
@@ -317,24 +274,14 @@ class PythonTool(Tool):
             result = await self._call_session(session_id, code, limit)
         else:
             key = (code, limit, self.max_output_chars)
-            if self.use_cache and not _NONDETERMINISTIC.search(code):
+            if self.use_cache and cacheable(code):
                 self.stats.cache_lookups += 1
-                hit = self._cache.get(key)
-                if hit is None:
-                    flight = self._inflight.get(key)
-                    if flight is not None and not flight.abandoned:  # the same snippet runs now: share it
-                        shared = await flight.wait()
-                        # an infrastructure failure is not shared, nor a run stopped under this call
-                        if shared is not None and shared.error != ErrorKind.SANDBOX:
-                            hit = shared
-                else:
-                    self._cache.move_to_end(key)
+                hit = await self._cache.lookup(key)
                 if hit is not None:
                     self.stats.cache_hits += 1
                     metrics = dict(hit.metrics, cache_hit=1.0, latency_ms=(time.perf_counter() - t0) * 1000.0)
                     return self._count(ToolResult(hit.text, hit.ok, hit.error, metrics))
-                flight = self._inflight[key] = _Flight(asyncio.ensure_future(self._run_cached(key, code, limit)))
-                ran = await flight.wait()
+                ran = await self._cache.run(key, lambda: self._call_pool(code, limit))
                 if ran is None:  # this call's own run was stopped from outside (the pool closing)
                     ran = _sandbox_error("the run was stopped")
                 result = dataclasses.replace(ran, metrics=dict(ran.metrics))  # the cached one stays as it was
@@ -343,25 +290,6 @@ class PythonTool(Tool):
         result.metrics["latency_ms"] = (time.perf_counter() - t0) * 1000.0
         result.metrics.setdefault("cache_hit", 0.0)
         return self._count(result)
-
-    async def _run_cached(self, key: tuple[str, float, int], code: str, limit: float) -> ToolResult:
-        """One run of a cacheable snippet, shared by the identical calls made while it runs (a
-        group's samples often call with the same code at once: 37 of 83 calculator calls in a
-        bench_peers run, 2026-12-06); its result enters the cache unless it timed out or failed
-        in the sandbox (both may be the load's doing, not the code's). A timeout is shared with
-        the calls that waited on this run (the same code under the same limit, at the same time);
-        a sandbox failure is not: each of those calls runs the snippet itself."""
-        try:
-            result = await self._call_pool(code, limit)
-        finally:
-            flight = self._inflight.get(key)
-            if flight is not None and flight.task is asyncio.current_task():
-                del self._inflight[key]
-        if result.error not in (ErrorKind.TIMEOUT, ErrorKind.SANDBOX):
-            self._cache[key] = result
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return result
 
     def _count(self, r: ToolResult) -> ToolResult:
         if r.error is not None:
