@@ -14,6 +14,9 @@ and mounted read-only beside it by the backends (``backends.WORKER_FILES``):
     worker_prefault.py  opt-in experiments, loaded only when the config asks for them
     worker_profile.py   (worker_options "prefault" / "profile"; see the hooks below)
 
+(Over 450 lines on purpose: the request loop, output capture and cleanup share one fork server's
+state; what separates from them is already in the sibling modules, and a new one must be mounted.)
+
 The host talks to it over stdin/stdout with length-prefixed JSON frames (4-byte big-endian
 length, then UTF-8 JSON):
 
