@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from agent_env import EnvError
 from agent_env.activity import Activity, tracking
 from agent_env.engines.base import Engine, GenerationOutput, SamplingParams
+from agent_env.errors import EnvError
 from agent_env.parsers import ParsedCall, get_parser
 from agent_env.records import FINISH_REASONS, ToolCallRecord, Trajectory, Transcript, TurnRecord
 from agent_env.rewards import RewardConfig, RewardResult, RewardScorer

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from agent_env import EnvError, install_hint
+from agent_env.errors import EnvError, install_hint
 from agent_env.parser_families import _malformed
 from agent_env.parsers import ParsedCall
 

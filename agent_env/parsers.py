@@ -47,7 +47,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from agent_env import EnvError
+from agent_env.errors import EnvError
 from tools.plugins import Registry
 
 __all__ = [

@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from agent_env import EnvError
+from agent_env.errors import EnvError
 from agent_env.math_task.reward import RewardConfig, RewardResult, extract_answer, math_reward
 from tools.plugins import Registry
 

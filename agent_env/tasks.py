@@ -35,7 +35,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from agent_env import EnvError
+from agent_env.errors import EnvError
 from agent_env.math_task.reward import extract_answer as _math_extract
 from tools.plugins import Registry
 

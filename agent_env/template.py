@@ -27,7 +27,7 @@ import collections
 import json
 from typing import Any, Literal, Mapping, Sequence
 
-from agent_env import EnvError
+from agent_env.errors import EnvError
 
 __all__ = ["ChatTemplate", "describe_mismatch"]
 

@@ -9,8 +9,8 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from agent_env import EnvError
 from agent_env.activity import Activity, tracking
+from agent_env.errors import EnvError
 from agent_env.parsers import ParsedCall
 from agent_env.records import ToolCallRecord
 

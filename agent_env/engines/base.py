@@ -12,6 +12,8 @@ from typing import Iterable, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from agent_env.errors import install_hint
+
 
 @dataclass
 class SamplingParams:
@@ -76,8 +78,6 @@ class EngineError(Exception):
 
 def missing_extra(package: str, extra: str) -> EngineError:
     """The one clear error for an optional dependency that is not installed."""
-    from agent_env import install_hint
-
     return EngineError(
         f"this engine needs the optional package '{package}', which is not installed: {install_hint(extra)}"
     )
