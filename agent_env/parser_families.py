@@ -1,7 +1,8 @@
 """The tool-call formats of the model families users bring: ``llama3_json``, ``mistral`` and
 ``qwen3_coder`` (see :mod:`agent_env.parsers` for the contract and the format of each; the registry
 :data:`agent_env.parsers.FORMATS` names them). gpt-oss's ``harmony`` is in
-:mod:`agent_env.parser_harmony`; the helpers here that it shares (``_malformed``) stay here."""
+:mod:`agent_env.parser_harmony`. The helpers the formats share (``_malformed``, ``_call_from_object``,
+``_tagged_calls``) are in :mod:`agent_env.parsers`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 import string
 from typing import Any, Iterable, Sequence
 
-from agent_env.parsers import ParsedCall, _call_from_object, _malformed
+from agent_env.parsers import ParsedCall, _call_from_object, _malformed, _tagged_calls
 
 __all__ = ["Llama3JsonParser", "MistralParser", "Qwen3CoderParser"]
 
@@ -206,23 +207,7 @@ class Qwen3CoderParser:
             self._types[fn["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
 
     def parse(self, text: str) -> list[ParsedCall]:
-        calls: list[ParsedCall] = []
-        pos = 0
-        while True:
-            i = text.find(self.open_tag, pos)
-            if i < 0:
-                break
-            j = text.find(self.close_tag, i + len(self.open_tag))
-            if j < 0:
-                calls.append(_malformed(None, text[i:], "unterminated <tool_call> (no </tool_call>)"))
-                break
-            nested = text.rfind(self.open_tag, i + len(self.open_tag), j)
-            if nested >= 0:
-                calls.append(_malformed(None, text[i:nested], "<tool_call> opened inside another <tool_call>"))
-                i = nested
-            pos = j + len(self.close_tag)
-            calls.append(self._parse_body(text[i + len(self.open_tag) : j], text[i:pos]))
-        return calls
+        return _tagged_calls(text, self.open_tag, self.close_tag, self._parse_body)
 
     def _parse_body(self, body: str, raw: str) -> ParsedCall:
         m = _QC_FUNCTION.search(body)

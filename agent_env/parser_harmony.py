@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from agent_env.errors import EnvError, install_hint
-from agent_env.parser_families import _malformed
-from agent_env.parsers import ParsedCall
+from agent_env.parsers import ParsedCall, _malformed
 
 __all__ = ["HarmonyParser"]
 

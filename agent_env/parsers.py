@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from agent_env.errors import EnvError
 from tools.plugins import Registry
@@ -106,6 +106,54 @@ def _call_from_object(obj: Any, raw: str, *, args_keys: Sequence[str], shape: st
     return ParsedCall(name, arguments=args, raw=raw, id=call_id if isinstance(call_id, str) else None)
 
 
+def _is_json(s: str) -> bool:
+    try:
+        json.loads(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _tagged_calls(
+    text: str,
+    open_tag: str,
+    close_tag: str,
+    parse_body: Callable[[str, str], ParsedCall],
+    *,
+    body_ok: Callable[[str], bool] | None = None,
+    tries: int = 8,
+) -> list[ParsedCall]:
+    """The calls of the ``open_tag … close_tag`` blocks of ``text``, in order (hermes and qwen3_coder's
+    ``<tool_call>`` blocks): ``parse_body(body, raw)`` for each block, a malformed call for a block
+    that is not closed (the rest of the text) and for an opening inside another block (from the outer
+    opening to the inner one, whose block goes on). ``body_ok``: where it rejects the body the first
+    closing tag leaves, the first of the next ``tries`` closing tags whose body it accepts closes the
+    block instead (else the first one)."""
+    calls: list[ParsedCall] = []
+    pos = 0
+    while (i := text.find(open_tag, pos)) >= 0:
+        start = i + len(open_tag)
+        j = text.find(close_tag, start)
+        if j < 0:
+            calls.append(_malformed(None, text[i:], f"unterminated {open_tag} (no {close_tag})"))
+            break
+        k = j
+        for _ in range(tries if body_ok is not None else 0):
+            if body_ok(text[start:k]):
+                j = k
+                break
+            k = text.find(close_tag, k + len(close_tag))
+            if k < 0:
+                break
+        pos = j + len(close_tag)
+        nested = text.rfind(open_tag, start, j)
+        if nested >= 0:
+            calls.append(_malformed(None, text[i:nested], f"{open_tag} opened inside another {open_tag}"))
+            i, start = nested, nested + len(open_tag)
+        calls.append(parse_body(text[start:j], text[i:pos]))
+    return calls
+
+
 class ToolCallParser(Protocol):
     name: str
 
@@ -119,14 +167,6 @@ class ToolCallParser(Protocol):
 _MALFORMED = "malformed_call"  # == tools.ErrorKind.MALFORMED_CALL (kept literal: parsers need no tools import)
 
 
-def _is_json(s: str) -> bool:
-    try:
-        json.loads(s)
-    except ValueError:
-        return False
-    return True
-
-
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks, several per turn."""
 
@@ -135,49 +175,9 @@ class HermesParser:
     close_tag = "</tool_call>"
 
     def parse(self, text: str) -> list[ParsedCall]:
-        calls: list[ParsedCall] = []
-        pos = 0
-        while True:
-            i = text.find(self.open_tag, pos)
-            if i < 0:
-                break
-            body_start = i + len(self.open_tag)
-            j = text.find(self.close_tag, body_start)
-            if j < 0:
-                raw = text[i:]
-                calls.append(
-                    ParsedCall(
-                        None, raw=raw, error=_MALFORMED, error_message="unterminated <tool_call> (no </tool_call>)"
-                    )
-                )
-                break
-            # A "</tool_call>" may sit inside a JSON string: prefer the first closing tag that
-            # makes the body valid JSON (a few candidates), else the first one.
-            k = j
-            for _ in range(8):
-                if _is_json(text[body_start:k]):
-                    j = k
-                    break
-                k = text.find(self.close_tag, k + len(self.close_tag))
-                if k < 0:
-                    break
-            body = text[body_start:j]
-            pos = j + len(self.close_tag)
-            nested = body.rfind(self.open_tag)
-            if nested >= 0:
-                # "<tool_call> junk <tool_call>{...}</tool_call>": the outer opening is unterminated.
-                calls.append(
-                    ParsedCall(
-                        None,
-                        raw=text[i : body_start + nested],
-                        error=_MALFORMED,
-                        error_message="<tool_call> opened inside another <tool_call>",
-                    )
-                )
-                body_start = body_start + nested + len(self.open_tag)
-                body = text[body_start:j]
-            calls.append(self._parse_body(body, raw=text[body_start - len(self.open_tag) : pos]))
-        return calls
+        # A "</tool_call>" may sit inside a JSON string: the first closing tag that makes the body
+        # valid JSON (of a few) closes the block, else the first one.
+        return _tagged_calls(text, self.open_tag, self.close_tag, self._parse_body, body_ok=_is_json)
 
     @staticmethod
     def _parse_body(body: str, raw: str) -> ParsedCall:
