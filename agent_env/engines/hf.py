@@ -26,19 +26,17 @@ greedy decoding (``temperature == 0``) the log-probs are those of the raw logits
 
 Checking a call and sampling are in :mod:`agent_env.engines.hf_sampling`; prefilling new rows,
 merging them into the running batch's KV cache and dropping finished ones, in
-:mod:`agent_env.engines.hf_batch`.
+:mod:`agent_env.engines.hf_batch`; loading the model and copying new weights in, in
+:mod:`agent_env.engines.hf_model`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-import os
 import random
 import threading
 from collections import deque
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -52,6 +50,7 @@ from agent_env.engines.hf_batch import (
     returned_cache,
     with_slack,
 )
+from agent_env.engines.hf_model import copy_weights, eos_ids, load_model
 from agent_env.engines.hf_sampling import Request, make_request, sample
 from agent_env.engines.hf_weights import WeightWatch
 
@@ -127,46 +126,13 @@ class HFEngine(RunningBatch):
         cpu_threads: int | None = None,
         decode_step: str = "auto",
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
         from agent_env.engines.hf_decode import DECODE_STEPS
 
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if decode_step not in DECODE_STEPS:
             raise EngineError(f"decode_step must be one of {list(DECODE_STEPS)}, got {decode_step!r}")
-        if isinstance(dtype, str):
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise EngineError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16', 'float16'")
-            dtype = getattr(torch, dtype)
-        if isinstance(model_or_path, (str, os.PathLike)):
-            path = Path(model_or_path).expanduser()
-            if not (path / "config.json").is_file():
-                raise EngineError(f"no model folder at {path} (expected a config.json saved by save_pretrained)")
-            try:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-            except (OSError, ValueError) as exc:
-                raise EngineError(f"could not load a causal LM from {path}: {exc}") from exc
-            model.to(device)
-            if tokenizer is None:
-                tokenizer = path
-        elif isinstance(model_or_path, torch.nn.Module):
-            if share_weights:
-                model = model_or_path
-            else:
-                model = copy.deepcopy(model_or_path)
-                model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-        else:
-            raise EngineError(
-                f"model_or_path must be a model folder or a torch module, got {type(model_or_path).__name__}"
-            )
-        if not isinstance(model, PreTrainedModel):
-            raise EngineError("HFEngine needs a transformers PreTrainedModel (causal LM with a KV cache)")
-        if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        if not share_weights:
-            model.eval()
-            model.requires_grad_(False)
+        model, tokenizer = load_model(model_or_path, tokenizer, device=device, dtype=dtype, share_weights=share_weights)
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -182,7 +148,7 @@ class HFEngine(RunningBatch):
         self._threads_before: int | None = None  # torch's setting while the engine's own is in force
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._watch = WeightWatch(model)  # when the weights changed (hf_weights: what it sees, what not)
-        self._eos_ids: frozenset[int] = frozenset(self._collect_eos_ids() if stop_at_eos else ())
+        self._eos_ids: frozenset[int] = frozenset(eos_ids(model, tokenizer) if stop_at_eos else ())
         self._seed_rng = random.Random(seed) if seed is not None else None
         self._lock = threading.Lock()  # one compute step or weight update at a time
         self._waiting: deque[Request] = deque()
@@ -304,17 +270,6 @@ class HFEngine(RunningBatch):
                 raise
             logger.warning("HFEngine decodes with the model's forward: %s", exc)
             return None
-
-    # ------------------------------------------------------------------ requests
-
-    def _collect_eos_ids(self) -> list[int]:
-        ids: list[int] = []
-        gc = getattr(self.model, "generation_config", None)
-        for source in (getattr(gc, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if source is None:
-                continue
-            ids.extend([source] if isinstance(source, int) else list(source))
-        return ids
 
     # ------------------------------------------------------------------ background loop
 
@@ -487,20 +442,7 @@ class HFEngine(RunningBatch):
     def _update_weights_sync(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with self._lock:
             if not self.share_weights:
-                params = dict(self.model.named_parameters(remove_duplicate=False))
-                params.update(dict(self.model.named_buffers(remove_duplicate=False)))
-                unknown = [name for name, _ in items if name not in params]
-                if unknown:
-                    raise EngineError(
-                        f"update_weights got {len(unknown)} names the engine's model does not have, e.g. {unknown[:3]}"
-                    )
-                for name, tensor in items:
-                    target = params[name]
-                    if target.shape != tensor.shape:
-                        raise EngineError(
-                            f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                        )
-                    target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                copy_weights(self.model, items)
             self._watch.changed()  # the fused step's weights are rebuilt (a write through p.data shows nowhere else)
             self._prefix.clear()  # kept keys/values are stale too (the signature would also tell)
             # In-flight rows: their cached keys/values are stale; prefill them again next step.
