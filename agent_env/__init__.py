@@ -4,7 +4,8 @@
 ``from agent_env.rollout import ...``. Submodules import :class:`EnvError` and :func:`install_hint`
 from :mod:`agent_env.errors`, never from here."""
 
-from agent_env.episode import AgentEnv, EpisodeConfig
+from agent_env.episode import AgentEnv
+from agent_env.episode_config import EpisodeConfig
 from agent_env.errors import EnvError, install_hint
 from agent_env.records import ToolCallRecord, Trajectory, TurnRecord
 from agent_env.rollout import RolloutBatch, collate, rollout, rollout_async
