@@ -4,14 +4,77 @@ its :class:`TurnRecord` s and their :class:`ToolCallRecord` s, the :data:`FINISH
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
+from agent_env.errors import EnvError
 from agent_env.tool_metrics import MALFORMED_KINDS
 
-__all__ = ["FINISH_REASONS", "ToolCallRecord", "TurnRecord", "Trajectory", "Transcript"]
+__all__ = ["FINISH_REASONS", "Prompt", "ToolCallRecord", "TurnRecord", "Trajectory", "Transcript", "last_policy_token"]
 
 FINISH_REASONS = ("answer", "void_turn", "max_turns", "length", "turn_length", "tool_overflow", "abort")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One problem as an episode receives it: the prompt (a string or chat messages), what the reward
+    compares against, and the row's identity. Built once, by :meth:`from_row`, wherever a row enters
+    (the trainer, the evaluation, verl's agent loop, :func:`~agent_env.rollout`)."""
+
+    prompt: Any  # str | list of chat messages
+    ground_truth: Any = None
+    uid: str | None = None  # shared by the samples of one prompt (their group); None: a fresh one per prompt
+    data_source: str | None = None
+    extra_info: Any = None
+
+    @classmethod
+    def from_row(cls, row: Any, *, uid: str | None = None, prompt_key: str = "prompt", index: int = 0) -> "Prompt":
+        """A :class:`Prompt` from a dataset row (verl's layout: ``prompt``, ``reward_model.ground_truth``,
+        ``data_source``, ``extra_info``), a mapping ``{"prompt", "ground_truth" | "answer", "uid"}``, a
+        string, a list of chat messages, or a :class:`Prompt`. ``uid`` replaces the row's;
+        ``prompt_key``: the field holding the prompt (verl's agent loop reads ``raw_prompt``);
+        ``index``: the row's position, for the error."""
+        if isinstance(row, Prompt):
+            return row if uid is None else replace(row, uid=uid)
+        if isinstance(row, str) or (isinstance(row, Sequence) and not isinstance(row, Mapping)):
+            return cls(prompt=row, uid=uid)
+        if not isinstance(row, Mapping):
+            raise EnvError(
+                f"prompt {index} must be a string, a list of chat messages or a mapping, got {type(row).__name__}"
+            )
+        if prompt_key not in row:
+            raise EnvError(
+                f"prompt {index} is a mapping without a {prompt_key!r} key (keys: {sorted(row)}); expected "
+                f"{{{prompt_key!r}: str | messages, 'ground_truth' or 'reward_model': {{'ground_truth': ...}}, "
+                "'uid': optional}"
+            )
+        reward_model = row.get("reward_model")
+        if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
+            gt = reward_model["ground_truth"]
+        else:
+            gt = row.get("ground_truth", row.get("answer"))
+        own = row.get("uid")
+        extra = row.get("extra_info")
+        return cls(
+            prompt=row[prompt_key],
+            ground_truth=gt,
+            uid=uid if uid is not None else (None if own is None else str(own)),
+            data_source=row.get("data_source"),
+            extra_info=dict(extra) if isinstance(extra, Mapping) else extra,
+        )
+
+
+def last_policy_token(response_mask: Any) -> tuple[Any, Any]:
+    """``(last, has)``: per row of a ``[B, R]`` response mask, the column of its last policy
+    (mask 1) token, and whether it has one (``last`` is R − 1 where it has none). Where the reward
+    of a row sits: the one definition of that position (:func:`~agent_env.rollout.collate`,
+    ``otb_tir.advantage.place_reward_on_last_policy_token``)."""
+    import torch
+
+    mask = torch.as_tensor(response_mask).bool()
+    width = mask.shape[-1]
+    last = width - 1 - torch.flip(mask, dims=[-1]).long().argmax(dim=-1)
+    return last, mask.any(dim=-1)
 
 
 @dataclass

@@ -37,10 +37,10 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from agent_env import EnvError
 from agent_env.activity import Activity
 from agent_env.episode import AgentEnv, EpisodeConfig
-from agent_env.records import Trajectory
+from agent_env.errors import EnvError
+from agent_env.records import Prompt, Trajectory, last_policy_token
 
 logger = logging.getLogger(__name__)
 
@@ -85,32 +85,6 @@ class RolloutBatch:
         yield from self.non_tensors
 
 
-def _normalize_prompts(prompts: Sequence[Any]) -> list[dict[str, Any]]:
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, Mapping)):
-            out.append({"prompt": p, "ground_truth": None, "uid": None, "data_source": None, "extra_info": None})
-        elif isinstance(p, Mapping):
-            if "prompt" not in p:
-                raise EnvError(
-                    f"prompt {i} is a mapping without a 'prompt' key (keys: {sorted(p)}); expected "
-                    "{'prompt': str | messages, 'ground_truth': ..., 'uid': optional}"
-                )
-            gt = p.get("ground_truth", p.get("answer"))
-            out.append(
-                {
-                    "prompt": p["prompt"],
-                    "ground_truth": gt,
-                    "uid": p.get("uid"),
-                    "data_source": p.get("data_source"),
-                    "extra_info": p.get("extra_info"),
-                }
-            )
-        else:
-            raise EnvError(f"prompt {i} must be a string, a list of chat messages or a mapping, got {type(p).__name__}")
-    return out
-
-
 def collate(
     trajectories: Sequence[Trajectory], *, pad_token_id: int, response_length: int | None = None
 ) -> RolloutBatch:
@@ -146,9 +120,8 @@ def collate(
             resp_attn[i, :lr] = 1
             response_mask[i, :lr] = torch.tensor(t.response_mask, dtype=torch.long)
             logprobs[i, :lr] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
-    # The reward on the last policy (mask 1) token of each row: vectorized.
-    has_policy = response_mask.any(dim=1)
-    last = R - 1 - torch.flip(response_mask, dims=[1]).argmax(dim=1)
+    # The reward on the last policy (mask 1) token of each row.
+    last, has_policy = last_policy_token(response_mask)
     reward_vals = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     rows = torch.nonzero(has_policy).squeeze(1)
     rewards[rows, last[rows]] = reward_vals[rows]
@@ -203,7 +176,7 @@ async def rollout_async(
         raise EnvError(f"pad_to must be 'budget' or 'longest', got {pad_to!r}")
     if max_concurrent_episodes is not None and max_concurrent_episodes < 1:
         raise EnvError(f"max_concurrent_episodes must be positive or None, got {max_concurrent_episodes!r}")
-    items = _normalize_prompts(prompts)
+    items = [Prompt.from_row(p, index=i) for i, p in enumerate(prompts)]
     if not items:
         raise EnvError("rollout needs at least one prompt")
     own_env = not isinstance(env_or_config, AgentEnv)
@@ -222,20 +195,20 @@ async def rollout_async(
     sem = asyncio.Semaphore(max_concurrent_episodes) if max_concurrent_episodes else None
     jobs = []
     for i, item in enumerate(items):
-        uid = str(item["uid"]) if item["uid"] is not None else uuid.uuid4().hex
+        uid = item.uid if item.uid is not None else uuid.uuid4().hex
         for j in range(n):
             jobs.append((i * n + j, item, uid, j))
 
-    async def one(idx: int, item: dict[str, Any], uid: str, j: int) -> tuple[int, Trajectory]:
+    async def one(idx: int, item: Prompt, uid: str, j: int) -> tuple[int, Trajectory]:
         ep_seed = None if seed is None else seed + idx
         async with sem if sem is not None else contextlib.nullcontext():
             return idx, await env.run(
                 engine,
-                item["prompt"],
+                item.prompt,
                 uid=uid,
-                ground_truth=item["ground_truth"],
-                data_source=item["data_source"],
-                extra_info=item["extra_info"],
+                ground_truth=item.ground_truth,
+                data_source=item.data_source,
+                extra_info=item.extra_info,
                 seed=ep_seed,
                 sample_index=j,
                 activity=activity,
@@ -295,9 +268,10 @@ def rollout(
 ) -> RolloutBatch:
     """Run ``len(prompts) × n`` episodes concurrently and collate them (see the module docstring).
 
-    ``prompts``: strings, chat-message lists, or mappings ``{"prompt": ..., "ground_truth": ...,
-    "uid": ...}``. ``env_or_config``: an :class:`AgentEnv`, or an :class:`EpisodeConfig` / mapping
-    (then ``tokenizer=`` or ``engine.tokenizer`` gives the tokenizer and the tools are built from
+    ``prompts``: strings, chat-message lists, mappings ``{"prompt": ..., "ground_truth": ...,
+    "uid": ...}``, dataset rows or :class:`~agent_env.records.Prompt` s (:meth:`Prompt.from_row`).
+    ``env_or_config``: an :class:`AgentEnv`, or an :class:`EpisodeConfig` / mapping (then
+    ``tokenizer=`` or ``engine.tokenizer`` gives the tokenizer and the tools are built from
     ``config.tools`` unless ``tools=`` is given). Keyword arguments: see :func:`rollout_async`.
     From inside a running event loop, ``await rollout_async(...)`` instead.
     """

@@ -143,15 +143,16 @@ def _policy_gradient_pass(
     """The trainer's ``ppo_update`` on the whole batch as one mini-batch (KL and entropy terms off,
     no clipping), with no optimizer step; ``on_step`` sees the gradients. Returns its metrics; the
     weights are not changed and the gradients are cleared."""
+    from otb_tir.token_stats import TokenStats
     from otb_tir.trainer.actor import ppo_update
+    from otb_tir.trainer.ppo import Advantages
 
-    batch = dict(tensors)
-    batch["advantages"], batch["loss_mask"] = advantages, loss_mask
+    old = TokenStats(tensors["old_log_probs"], None, None)  # the loss reads the old log-probs only
     s = dataclasses.replace(settings, kl_loss_coef=0.0, entropy_coeff=0.0, grad_clip=math.inf)
     was_training = model.training
     try:
-        rows = torch.arange(batch["responses"].shape[0])
-        return ppo_update(model, _NoStep(model, on_step), batch, [rows], s)
+        rows = torch.arange(tensors["responses"].shape[0])
+        return ppo_update(model, _NoStep(model, on_step), tensors, old, Advantages(advantages, loss_mask), [rows], s)
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
@@ -213,7 +214,7 @@ class PairedRecorder:
         return result
 
     def measure(self, inputs: dict[str, Any], step: int, trained_adv: torch.Tensor) -> dict[str, Any]:
-        from otb_tir.trainer.trainer import filter_loss_mask
+        from otb_tir.trainer.step import filter_loss_mask
 
         t0 = time.perf_counter()
         tr = self.trainer

@@ -358,7 +358,7 @@ class Session:
         """One fresh rollout batch through the trainer's step (rollout, actor forward, reward
         placement, estimator inputs, filters) with no update: (estimator inputs, tensors for the
         gradient pass, loss mask, trajectories, the step's metrics)."""
-        from otb_tir.trainer.trainer import filter_loss_mask
+        from otb_tir.trainer.step import filter_loss_mask
 
         tr = self.trainer
         res = tr.train_step()

@@ -116,39 +116,38 @@ def replay(trainer, tensors: dict[str, torch.Tensor], fused: bool, device: torch
     unfused Σπ² (gradients computed, not applied)."""
     import dataclasses
 
-    from otb_tir.advantage import get_estimator, place_reward_on_last_policy_token
+    from otb_tir.advantage import get_estimator
     from otb_tir.trainer.actor import compute_old_stats, ppo_update
+    from otb_tir.trainer.ppo import Advantages
 
     s = dataclasses.replace(trainer.settings.actor, fused_token_stats=fused)
     out: dict[str, Any] = {"fused": fused}
     batch = dict(tensors)
     _reset_peak(device)
     t0 = time.perf_counter()
-    batch.update(compute_old_stats(trainer.model, batch, s))
+    old = compute_old_stats(trainer.model, batch, s)
     _sync(device)
     out["old_stats_s"] = time.perf_counter() - t0
     out["old_stats_mem"] = _mem(device)
     mask = batch["response_mask"].float()
-    rewards = place_reward_on_last_policy_token(batch["token_level_rewards"], mask)
     adv, _ = get_estimator("tir_optimal_token_baseline")(
-        token_level_rewards=rewards,
+        token_level_rewards=batch["token_level_rewards"],  # on the last policy token (collate)
         response_mask=mask,
         index=tensors["uid"],
-        old_log_probs=batch["old_log_probs"],
-        sum_pi_squared=batch["sum_pi_squared"],
+        old_log_probs=old.log_probs,
+        sum_pi_squared=old.sum_pi_squared,
     )
-    batch["advantages"], batch["loss_mask"] = adv.float() * mask, mask
     _reset_peak(device)
     t0 = time.perf_counter()
     rows = torch.arange(batch["responses"].shape[0])
-    m = ppo_update(trainer.model, _NoStep(trainer.model), batch, [rows], s)
+    m = ppo_update(trainer.model, _NoStep(trainer.model), batch, old, Advantages(adv.float() * mask, mask), [rows], s)
     trainer.model.zero_grad(set_to_none=True)
     _sync(device)
     out["update_s"] = time.perf_counter() - t0
     out["update_mem"] = _mem(device)
     out["grad_norm"] = m["actor/grad_norm"]
-    out["old_log_probs"] = batch["old_log_probs"].detach().cpu()
-    out["sum_pi_squared"] = batch["sum_pi_squared"].detach().cpu()
+    out["old_log_probs"] = old.log_probs.detach().cpu()
+    out["sum_pi_squared"] = old.sum_pi_squared.detach().cpu()
     return out
 
 

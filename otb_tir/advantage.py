@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from agent_env.records import last_policy_token
 from otb_tir import ConfigError
 from otb_tir.advantage_inputs import check_2d
 from otb_tir.advantage_otb import optimal_token_baseline, tir_optimal_token_baseline
@@ -136,13 +137,9 @@ def place_reward_on_last_policy_token(token_level_rewards: torch.Tensor, respons
         raise ConfigError("token_level_rewards must be a 2-D [batch, response_length] tensor")
     check_2d("response_mask", response_mask, token_level_rewards.shape, True)
     mask = response_mask != 0
-    _, resp = mask.shape
     if mask.numel() == 0:
         return token_level_rewards.clone()
-    has_policy = mask.any(dim=-1)
-    # Index of the last True per row: argmax of (column index + 1) over the mask.
-    positions = torch.arange(1, resp + 1, device=mask.device)
-    last = (mask * positions).argmax(dim=-1, keepdim=True)
+    last, has_policy = last_policy_token(mask)  # the position collate puts the reward at
     out = torch.zeros_like(token_level_rewards)
-    out.scatter_(1, last, token_level_rewards.sum(dim=-1, keepdim=True))
+    out.scatter_(1, last.unsqueeze(1), token_level_rewards.sum(dim=-1, keepdim=True))
     return torch.where(has_policy.unsqueeze(1), out, token_level_rewards)

@@ -82,7 +82,7 @@ def test_policy_gradient_vector_is_the_gradient_whose_norm_the_paired_bench_meas
         "response_mask": mask,
     }
     settings = ActorSettings(ppo_micro_batch_size=3)
-    tensors["old_log_probs"] = compute_old_stats(model, tensors, settings)["old_log_probs"]
+    tensors["old_log_probs"] = compute_old_stats(model, tensors, settings).log_probs
     adv = torch.randn(b, r) * mask
     before = [q.detach().clone() for q in model.parameters()]
     g = bench_estimators.policy_gradient(model, tensors, adv, mask, settings)

@@ -143,17 +143,9 @@ async def _run_pass(
     engine: Any, env: Any, items: list[dict[str, Any]], cfg: DictConfig, label: str
 ) -> tuple[list, dict]:
     from agent_env import rollout_async
+    from agent_env.records import Prompt
 
-    prompts = [
-        {
-            "prompt": it["prompt"],
-            "ground_truth": it["reward_model"]["ground_truth"],
-            "uid": f"p{i}",
-            "data_source": it.get("data_source"),
-            "extra_info": it.get("extra_info"),
-        }
-        for i, it in enumerate(items)
-    ]
+    prompts = [Prompt.from_row(it, uid=f"p{i}", index=i) for i, it in enumerate(items)]
     log.info("%s: %d problems × n=%d episodes", label, len(items), cfg.rollout.n)
     batch = await rollout_async(
         engine,

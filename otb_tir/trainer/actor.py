@@ -11,7 +11,6 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from otb_tir.token_stats import (
     token_stats_for_causal_lm,
 )
 from otb_tir.trainer.distributed import TokenStatsModule
-from otb_tir.trainer.ppo import ppo_policy_loss
+from otb_tir.trainer.ppo import Advantages, ppo_policy_loss
 
 logger = logging.getLogger(__name__)
 
@@ -181,22 +180,21 @@ def by_length(batch: dict, rows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_old_stats(model, batch: dict, s: ActorSettings) -> dict[str, torch.Tensor]:
-    """Old log-probs, entropy and Σπ² of the current policy on every response token ([B, R] each);
-    micro-batches of rows of similar lengths (:func:`by_length`)."""
+def compute_old_stats(model, batch: dict, s: ActorSettings) -> TokenStats:
+    """Log-probs, entropy and Σπ² of the current policy on every response token ([B, R] each, float32 on
+    the CPU, × the response mask); micro-batches of rows of similar lengths (:func:`by_length`)."""
     was_training = model.training
     model.eval()
     mask = batch["response_mask"].float()
-    out = {k: torch.zeros_like(mask) for k in ("old_log_probs", "entropy", "sum_pi_squared")}
+    out = TokenStats(*(torch.zeros_like(mask) for _ in range(3)))
     order = by_length(batch, torch.arange(mask.shape[0]))
     for i in range(0, len(order), s.ppo_micro_batch_size):
         rows = order[i : i + s.ppo_micro_batch_size]
         st = _stats(model, batch, rows, s, grad=False)
-        out["old_log_probs"][rows] = st.log_probs.float().cpu()
-        out["entropy"][rows] = st.entropy.float().cpu()
-        out["sum_pi_squared"][rows] = st.sum_pi_squared.float().cpu()
+        for into, got in zip(out, st):
+            into[rows] = got.float().cpu()
     model.train(was_training)
-    return {k: v * mask for k, v in out.items()}
+    return TokenStats(*(t * mask for t in out))
 
 
 def _global_tokens(mask: torch.Tensor, world: int, device: torch.device) -> float:
@@ -224,7 +222,8 @@ class _Sums:
     def micro_backward(
         self,
         st: TokenStats,
-        batch: dict,
+        old: TokenStats,
+        adv: Advantages,
         mrows: torch.Tensor | slice,
         s: ActorSettings,
         ref_log_probs: torch.Tensor | None,
@@ -232,15 +231,14 @@ class _Sums:
         world: int,
         device: torch.device,
     ) -> None:
-        """The PPO loss of micro-batch ``mrows`` on its token statistics ``st``, backward, summed. The
-        truncated IS weights (``batch["rollout_is_weights"]``, set when ``algorithm.rollout_is``)
-        multiply the per-token surrogate."""
-        is_w = batch.get("rollout_is_weights")
+        """The PPO loss of micro-batch ``mrows`` on its token statistics ``st`` (``old``: the batch's
+        old statistics; ``adv``: its advantages, loss mask and IS weights), backward, summed."""
+        is_w = adv.rollout_is_weights
         out = ppo_policy_loss(
             st.log_probs.float(),
-            batch["old_log_probs"][mrows].to(device),
-            batch["advantages"][mrows].to(device),
-            batch["loss_mask"][mrows].to(device),
+            old.log_probs[mrows].to(device),
+            adv.advantages[mrows].to(device),
+            adv.loss_mask[mrows].to(device),
             clip_ratio_low=s.clip_ratio_low,
             clip_ratio_high=s.clip_ratio_high,
             clip_ratio_c=s.clip_ratio_c,
@@ -294,12 +292,15 @@ def ppo_update(
     model,
     optimizer,
     batch: dict,
+    old: TokenStats,
+    adv: Advantages,
     mini_batches: list[torch.Tensor],
     s: ActorSettings,
     ref_log_probs: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One pass of PPO over ``mini_batches`` (lists of row indices); one optimizer step each. A
-    mini-batch's micro-batches take its rows in order of length (:func:`by_length`).
+    mini-batch's micro-batches take its rows in order of length (:func:`by_length`). ``batch``: the
+    rollout's tensors (read only); ``old``: :func:`compute_old_stats` of it; ``adv``: its advantages.
 
     Under FSDP every rank must pass the same number of mini-batches, each with the same number of
     rows (the same micro-batch count: each forward/backward is a collective). The token-mean's
@@ -313,7 +314,7 @@ def ppo_update(
     sums = _Sums()
     sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: reduce gradients once per mini-batch
     for rows in mini_batches:
-        num_tokens = _global_tokens(batch["loss_mask"][rows], world, device)
+        num_tokens = _global_tokens(adv.loss_mask[rows], world, device)
         rows = by_length(batch, rows)  # micro-batches of similar lengths: less padding through the model
         optimizer.zero_grad(set_to_none=True)
         starts = list(range(0, len(rows), s.ppo_micro_batch_size))
@@ -322,52 +323,63 @@ def ppo_update(
                 sync(j == starts[-1])
             mrows = rows[j : j + s.ppo_micro_batch_size]
             st = _stats(model, batch, mrows, s, grad=True, sums=sums)
-            sums.micro_backward(st, batch, mrows, s, ref_log_probs, num_tokens, world, device)
+            sums.micro_backward(st, old, adv, mrows, s, ref_log_probs, num_tokens, world, device)
         sums.optimizer_step(model, optimizer, s)
     return sums.metrics(len(mini_batches), world, device)
 
 
 def one_forward_applies(s: ActorSettings, rows: int, rows_per_mini: int, epochs: int) -> bool:
     """Whether a step can take its old statistics from the update's own forward
-    (:func:`on_policy_update`): ``actor.reuse_update_forward`` is on, one epoch, one mini-batch
+    (:func:`begin_on_policy_update`): ``actor.reuse_update_forward`` is on, one epoch, one mini-batch
     (one optimizer step) and one micro-batch holding all ``rows`` of this rank."""
     return s.reuse_update_forward and epochs == 1 and rows_per_mini >= rows and s.ppo_micro_batch_size >= rows
 
 
-def on_policy_update(
-    model,
-    optimizer,
-    batch: dict,
-    s: ActorSettings,
-    advantages_fn: Callable[[dict], None],
-    ref_log_probs: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """One optimizer step over the whole batch in a single forward, exactly on-policy.
+@dataclass
+class OpenUpdate:
+    """The one-forward step after its forward (:func:`begin_on_policy_update`): the forward is done (its graph
+    held in ``stats``), its detached statistics are the old ones (``old``); the advantages computed on
+    them go into :func:`finish_on_policy_update`."""
 
-    The forward's log-probs, entropy and Σπ² (detached, × the response mask) are the old ones: they
-    are written to ``batch`` as :func:`compute_old_stats` would write them, then
-    ``advantages_fn(batch)`` sets ``batch["advantages"]`` and ``batch["loss_mask"]`` from them, and
-    the loss, backward and optimizer step follow on the same forward. The separate old-log-prob pass
-    is skipped: its values are the same forward's (the ratio is exactly 1, as TRL's with
-    ``num_iterations=1``). Only for one epoch, one mini-batch and one micro-batch
-    (:func:`one_forward_applies`); under FSDP every rank calls it on its own rows.
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    stats: TokenStats  # with gradient
+    old: TokenStats  # detached, float32 on the CPU, × the response mask
+    sums: _Sums
+
+
+def begin_on_policy_update(model, optimizer, batch: dict, s: ActorSettings) -> OpenUpdate:
+    """One optimizer step over the whole batch in a single forward, exactly on-policy: the forward.
+
+    The forward's log-probs, entropy and Σπ² (detached, × the response mask) are the old ones, as
+    :func:`compute_old_stats` would give them; the caller computes the advantages on them, then
+    :func:`finish_on_policy_update` takes the loss, backward and optimizer step on the same forward.
+    The separate old-log-prob pass is skipped: its values are the same forward's (the ratio is
+    exactly 1, as TRL's with ``num_iterations=1``). Only for one epoch, one mini-batch and one
+    micro-batch (:func:`one_forward_applies`); under FSDP every rank calls it on its own rows.
     """
     model.train()
-    world = _world()
-    device = next(model.parameters()).device
     sums = _Sums()
-    rows = torch.arange(batch["responses"].shape[0])
     optimizer.zero_grad(set_to_none=True)
     sync = getattr(model, "set_requires_gradient_sync", None)
     if sync is not None:
         sync(True)
-    st = _stats(model, batch, rows, s, grad=True, sums=sums)
+    st = _stats(model, batch, torch.arange(batch["responses"].shape[0]), s, grad=True, sums=sums)
     mask = batch["response_mask"].float()
-    batch["old_log_probs"] = st.log_probs.detach().float().cpu() * mask
-    batch["entropy"] = st.entropy.detach().float().cpu() * mask
-    batch["sum_pi_squared"] = st.sum_pi_squared.detach().float().cpu() * mask
-    advantages_fn(batch)
-    num_tokens = _global_tokens(batch["loss_mask"], world, device)
-    sums.micro_backward(st, batch, rows, s, ref_log_probs, num_tokens, world, device)
-    sums.optimizer_step(model, optimizer, s)
-    return sums.metrics(1, world, device)
+    old = TokenStats(*(t.detach().float().cpu() * mask for t in st))
+    return OpenUpdate(model, optimizer, st, old, sums)
+
+
+def finish_on_policy_update(
+    open_: OpenUpdate, adv: Advantages, s: ActorSettings, ref_log_probs: torch.Tensor | None = None
+) -> dict[str, float]:
+    """The second half of the one-forward step: the loss of ``adv`` on the held forward, backward,
+    and the optimizer step."""
+    world = _world()
+    model = open_.model
+    device = next(model.parameters()).device
+    rows = torch.arange(adv.loss_mask.shape[0])
+    num_tokens = _global_tokens(adv.loss_mask, world, device)
+    open_.sums.micro_backward(open_.stats, open_.old, adv, rows, s, ref_log_probs, num_tokens, world, device)
+    open_.sums.optimizer_step(model, open_.optimizer, s)
+    return open_.sums.metrics(1, world, device)

@@ -22,6 +22,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | torch.T
     return (x * mask).sum() / denom
 
 
+@dataclass(frozen=True)
+class Advantages:
+    """What the loss needs besides the policy's own statistics, ``[B, R]`` each, built once by
+    :func:`otb_tir.trainer.step.advantages`: the estimator's advantages (× the loss mask), the loss
+    mask (the response mask after the trajectory filters), and the truncated rollout IS weights that
+    multiply the per-token surrogate (``None`` when ``algorithm.rollout_is`` is off)."""
+
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_is_weights: torch.Tensor | None = None
+    kept_frac: float = 1.0  # the share of rows the filters kept (filter/kept_frac)
+
+
 @dataclass
 class PolicyLossOutput:
     loss: torch.Tensor

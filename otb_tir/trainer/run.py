@@ -6,6 +6,7 @@ call :func:`run` directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -37,59 +38,76 @@ def run(cfg, *, reward_fn=None, setup: Callable[[Any], None] | None = None) -> d
     ``reward_fn``: optional ``(text, ground_truth, trajectory) -> float`` replacing the math reward.
     ``setup``: called with the :class:`~otb_tir.trainer.trainer.Trainer` once it is built (before
     it resumes): tests and benchmarks swap a part by assignment (``trainer.estimator = ...``).
+
+    setup (process group, tools, parts, trainer) → train (held-out before, fit, held-out after, the
+    final model) → cleanup, in reverse order of setup (an ``ExitStack``), whatever happened.
     """
     import torch.distributed as dist
 
-    from otb_tir.trainer.distributed import init_distributed, shutdown_distributed
-
-    owns_group = not (dist.is_available() and dist.is_initialized())
-    info = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend)
-    try:
-        return _run(cfg, info, reward_fn, setup)
-    finally:
-        if owns_group and info.distributed:
-            shutdown_distributed()
-
-
-def _run(cfg, info, reward_fn, setup) -> dict[str, Any]:
-    from otb_tir.builders import build_tools
-    from otb_tir.trainer.distributed import barrier
-
-    t_start = time.perf_counter()
-    rank, world = info.rank, info.world_size
-    if rank > 0:  # one voice: rank 0 logs progress, the others only warnings
-        logging.getLogger().setLevel(logging.WARNING)
-    out = Path(cfg.trainer.output_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    barrier(world)
-    seed_everything(cfg.trainer.seed)
-    device = info.device if info.distributed else resolve_device(cfg.trainer.device)
-    tools = build_tools(cfg)  # before any heavy work: a tool that does not load stops the run here
-    try:
-        return _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start, out)
-    finally:
-        from agent_env.rollout import run_sync
-
-        run_sync(tools.close())  # on the loop the rollouts ran on, so the sandbox closes cleanly
-
-
-def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, out: Path) -> dict[str, Any]:
     from agent_env.rollout import run_sync
-    from otb_tir.machine import cpu_kernels
-    from otb_tir.metrics import summary_figures
-    from otb_tir.trainer.distributed import barrier, broadcast_object
+    from otb_tir.builders import build_tools
+    from otb_tir.trainer.distributed import barrier, init_distributed, shutdown_distributed
     from otb_tir.trainer.parts import build_parts, trainer_settings
-    from otb_tir.trainer.timing import format_step_time, step_time_summary
     from otb_tir.trainer.trainer import Trainer
 
-    rank, world = info.rank, info.world_size
-    parts = build_parts(cfg, tools, info, device, reward_fn)
-    # the sandbox's worker pool starts now, on the loop the rollouts run on, not inside step 1's rollout
-    # (where its start-up shared the cores with generation and stalled the first steps' tool calls)
-    run_sync(tools.start())
-    summary: dict[str, Any] = {
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        # ---------------------------------------------------------------- setup
+        owns_group = not (dist.is_available() and dist.is_initialized())
+        info = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend)
+        if owns_group and info.distributed:
+            stack.callback(shutdown_distributed)
+        if info.rank > 0:  # one voice: rank 0 logs progress, the others only warnings
+            logging.getLogger().setLevel(logging.WARNING)
+        out = Path(cfg.trainer.output_dir)
+        if info.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        barrier(info.world_size)
+        seed_everything(cfg.trainer.seed)
+        device = info.device if info.distributed else resolve_device(cfg.trainer.device)
+        tools = build_tools(cfg)  # before any heavy work: a tool that does not load stops the run here
+        stack.callback(_close_tools, tools)
+        parts = build_parts(cfg, tools, info, device, reward_fn)
+        ends: dict[str, Any] = {"parts": parts}  # the parts the run ends with (setup may swap some)
+        stack.callback(_close_parts, ends)
+        # the sandbox's worker pool starts now, on the loop the rollouts run on, not inside step 1's rollout
+        # (where its start-up shared the cores with generation and stalled the first steps' tool calls)
+        run_sync(tools.start())
+        summary = _summary_head(cfg, parts, tools, info.world_size)
+        if info.rank == 0 and (cfg.eval.before or cfg.eval.after):
+            log.info("held-out evaluation: %s", summary["held_out"])
+        trainer = ends["parts"] = Trainer(trainer_settings(cfg, autocast_dtype=parts.autocast_dtype), parts)
+        if setup is not None:
+            setup(trainer)
+        # ---------------------------------------------------------------- train
+        summary.update(_train(trainer, parts.tokenizer, info, out, before=cfg.eval.before, after=cfg.eval.after))
+    summary["wall_time_s"] = time.perf_counter() - t_start
+    if info.rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _close_tools(tools) -> None:
+    from agent_env.rollout import run_sync
+
+    run_sync(tools.close())  # on the loop the rollouts ran on, so the sandbox closes cleanly
+
+
+def _close_parts(ends: dict[str, Any]) -> None:
+    from agent_env.rollout import run_sync
+
+    last = ends["parts"]  # the Trainer once built (its attributes are the parts it ran with), else the Parts
+    run_sync(last.engine.close())
+    if last.logger is not None:
+        last.logger.close()
+
+
+def _summary_head(cfg, parts, tools, world: int) -> dict[str, Any]:
+    """What the run is: the model, estimator, engine, seed, steps, tools, plugins, the held-out set."""
+    from otb_tir.machine import cpu_kernels
+
+    return {
         "model": str(parts.policy_path),
         "adv_estimator": cfg.algorithm.adv_estimator,
         "engine": cfg.rollout.name,  # the rollout engine: hf, or a serving engine (vllm, sglang)
@@ -104,50 +122,42 @@ def _run_with_tools(cfg, info, reward_fn, setup, tools, device, t_start: float, 
         "plugins": resolved_plugins(cfg, tools),
         "held_out": held_out(cfg, len(parts.val_items)),
     }
-    if rank == 0 and (cfg.eval.before or cfg.eval.after):
-        log.info("held-out evaluation: %s", summary["held_out"])
-    trainer = None
-    try:
-        trainer = Trainer(trainer_settings(cfg, autocast_dtype=parts.autocast_dtype), parts)
-        if setup is not None:
-            setup(trainer)
-        resumed = trainer.maybe_resume()
-        before_file = out / "before.json"
-        reuse_before = broadcast_object(cfg.eval.before and resumed and before_file.is_file(), world)
-        if reuse_before:
-            summary["before"] = json.loads(before_file.read_text())
-        elif cfg.eval.before:
-            _, trajs = trainer.evaluate(tag="val")
-            summary["before"] = summary_figures(trajs)
-            if rank == 0:
-                before_file.write_text(json.dumps(summary["before"]))
-            log.info("before training: %s", summary["before"])
-        t_fit = time.perf_counter()
-        trainer.fit()
-        summary["timing"] = step_time_summary(trainer.timing_totals, time.perf_counter() - t_fit)
-        summary["steps_without_signal"] = trainer.steps_without_signal  # every group's rewards equal
-        summary["generation"] = engine_summary(trainer.engine)  # beside "engine", the configured name
-        if rank == 0:
-            log.info("where the training loop's time went:\n%s", format_step_time(summary["timing"]))
-        if cfg.eval.after:
-            _, trajs = trainer.evaluate(tag="val")
-            summary["after"] = summary_figures(trajs)
-            log.info("after training: %s", summary["after"])
-        final = out / "final"
-        if rank == 0:
-            # under FSDP the engine's copy holds the full weights of the last update
-            (trainer.engine.model if info.distributed else trainer.model).save_pretrained(final)
-            parts.tokenizer.save_pretrained(final)
-        barrier(world)
-        summary["final_model"] = str(final)
-    finally:
-        from agent_env.rollout import run_sync
 
-        ends = parts if trainer is None else trainer  # the parts the run ended with (setup may swap some)
-        run_sync(ends.engine.close())
-        if ends.logger is not None:
-            ends.logger.close()
-    summary["wall_time_s"] = time.perf_counter() - t_start
+
+def _train(trainer, tokenizer, info, out: Path, *, before: bool, after: bool) -> dict[str, Any]:
+    """Resume, the held-out figures before, fit, the figures after, the final model folder."""
+    from otb_tir.metrics import summary_figures
+    from otb_tir.trainer.distributed import barrier, broadcast_object
+    from otb_tir.trainer.timing import format_step_time, step_time_summary
+
+    rank, world = info.rank, info.world_size
+    summary: dict[str, Any] = {}
+    resumed = trainer.maybe_resume()
+    before_file = out / "before.json"
+    if broadcast_object(before and resumed and before_file.is_file(), world):
+        summary["before"] = json.loads(before_file.read_text())
+    elif before:
+        _, trajs = trainer.evaluate(tag="val")
+        summary["before"] = summary_figures(trajs)
+        if rank == 0:
+            before_file.write_text(json.dumps(summary["before"]))
+        log.info("before training: %s", summary["before"])
+    t_fit = time.perf_counter()
+    trainer.fit()
+    summary["timing"] = step_time_summary(trainer.timing_totals, time.perf_counter() - t_fit)
+    summary["steps_without_signal"] = trainer.steps_without_signal  # every group's rewards equal
+    summary["generation"] = engine_summary(trainer.engine)  # beside "engine", the configured name
     if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info("where the training loop's time went:\n%s", format_step_time(summary["timing"]))
+    if after:
+        _, trajs = trainer.evaluate(tag="val")
+        summary["after"] = summary_figures(trajs)
+        log.info("after training: %s", summary["after"])
+    final = out / "final"
+    if rank == 0:
+        # under FSDP the engine's copy holds the full weights of the last update
+        (trainer.engine.model if info.distributed else trainer.model).save_pretrained(final)
+        tokenizer.save_pretrained(final)
+    barrier(world)
+    summary["final_model"] = str(final)
     return summary

@@ -17,27 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from agent_env import AgentEnv, RolloutBatch, Trajectory, rollout_async
+from agent_env.records import Prompt
 from agent_env.rollout import run_sync
 from otb_tir import ConfigError
-from otb_tir.advantage import place_reward_on_last_policy_token
-from otb_tir.metrics import (
-    advantage_stats,
-    equal_reward_group_frac,
-    rollout_actor_gap,
-    trajectory_metrics,
-    variance_proxy_metrics,
-)
-from otb_tir.trainer.actor import compute_old_stats, on_policy_update, one_forward_applies, ppo_update
+from otb_tir.metrics import trajectory_metrics
+from otb_tir.token_stats import TokenStats
+from otb_tir.trainer.actor import begin_on_policy_update, finish_on_policy_update, one_forward_applies
 from otb_tir.trainer.checkpoint import (
     load_distributed_state,
     load_latest,
@@ -46,35 +39,14 @@ from otb_tir.trainer.checkpoint import (
     save_distributed_checkpoint,
     set_rng_state,
 )
-from otb_tir.trainer.distributed import gather_objects, gather_tensors, shard_items
+from otb_tir.trainer.distributed import gather_objects, shard_items
 from otb_tir.trainer.parts import Parts
-from otb_tir.trainer.ppo import truncated_is_weights
-from otb_tir.trainer.settings import FilterSettings, TrainerSettings
+from otb_tir.trainer.ppo import Advantages
+from otb_tir.trainer.settings import TrainerSettings
+from otb_tir.trainer.step import advantages, score, step_metrics, update
 from otb_tir.trainer.timing import AFTER_ROW_PHASES, STEP_PHASES, PhaseTimer, rollout_phases
 
 log = logging.getLogger(__name__)
-
-
-def filter_loss_mask(batch: RolloutBatch, f: FilterSettings) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss mask after the optional trajectory filters (void turns, overlong, flat groups)."""
-    mask = batch["response_mask"].clone().float()
-    keep = torch.ones(mask.shape[0], dtype=torch.bool)
-    trajs = batch.trajectories
-    if f.void_turns:
-        keep &= torch.tensor([t.void_turns == 0 for t in trajs])
-    if f.overlong:
-        keep &= torch.tensor([t.finish_reason not in ("length", "turn_length", "tool_overflow") for t in trajs])
-    if f.all_equal_reward_groups:
-        uid = batch["uid"]
-        _, inv = np.unique(uid, return_inverse=True)
-        inv_t = torch.as_tensor(inv)
-        r = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-        g = int(inv.max()) + 1
-        rmin = torch.full((g,), math.inf, dtype=torch.float64).scatter_reduce(0, inv_t, r, "amin")
-        rmax = torch.full((g,), -math.inf, dtype=torch.float64).scatter_reduce(0, inv_t, r, "amax")
-        keep &= (rmax > rmin)[inv_t]
-    mask *= keep[:, None].float()
-    return mask, {"filter/kept_frac": float(keep.float().mean())}
 
 
 @dataclass
@@ -151,16 +123,7 @@ class Trainer:
 
     def _episodes(self, items: Sequence[dict], n: int, seed: int, env: AgentEnv | None = None, offset: int = 0):
         """The coroutine :meth:`_rollout` runs (awaited beside the update when one step off-policy)."""
-        prompts = [
-            {
-                "prompt": it["prompt"],
-                "ground_truth": it["reward_model"]["ground_truth"],
-                "uid": f"{seed}-{offset + i}",
-                "data_source": it.get("data_source"),
-                "extra_info": it.get("extra_info"),
-            }
-            for i, it in enumerate(items)
-        ]
+        prompts = [Prompt.from_row(it, uid=f"{seed}-{offset + i}", index=offset + i) for i, it in enumerate(items)]
         return rollout_async(self.engine, env or self.env, prompts, n, seed=seed + offset * n, progress=self.rank == 0)
 
     def _step_seed(self, step: int) -> int:
@@ -186,18 +149,12 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> StepResult:
+        """rollout → (ref) → score → advantages → update → weight sync → metrics, each under one timer."""
         s, timer = self.settings, PhaseTimer()
         cpu0 = time.process_time()
-
         ahead, self._ahead = self._ahead, None
         with timer("rollout"):
-            if ahead is None:
-                self.model.eval()
-                items, offset = self._draw()
-                batch = self._rollout(items, s.n, seed=self._step_seed(self.step), offset=offset)
-            else:  # rolled out during the previous step's update, with the weights before it
-                batch = ahead.batch
-            self.batch = batch
+            batch = self.batch = self._rollout_step() if ahead is None else ahead.batch
         # a rollout done ahead ran inside the previous step's update_s: its phases are none of this step's
         timer.seconds.update(rollout_phases(batch.stats if ahead is None else {}, timer.seconds["timing/rollout_s"]))
         if self._engine_behind:  # the engine still has the weights of before the last update
@@ -208,144 +165,33 @@ class Trainer:
         # weights before it; not before a held-out evaluation (it needs the engine) nor at the end
         nxt = self.step + 1
         overlap = s.one_step_off_policy and nxt < s.total_steps and not (s.eval_every and nxt % s.eval_every == 0)
-
-        tensors = dict(batch.tensors)
-        rows = tensors["responses"].shape[0]
-        per_mini = s.ppo_mini_batch_size * s.n // self.world
-        one_forward = one_forward_applies(s.actor, rows, per_mini, s.ppo_epochs)
-        ref = None
         with timer("ref"):
+            ref = None
             if self.ref_model is not None and s.actor.kl_loss_coef > 0:
-                ref = compute_old_stats(self.ref_model, tensors, s.actor)["old_log_probs"]
-
-        is_weights: torch.Tensor | None = None
-        filter_metrics: dict[str, float] = {}
-
-        def advantages(t: dict) -> None:
-            """Reward placement, IS weights, the estimator and the filters on the old statistics."""
-            nonlocal is_weights, filter_metrics
-            with timer("advantage"):
-                mask = t["response_mask"].float()
-                rewards = place_reward_on_last_policy_token(t["token_level_rewards"], mask)
-                if s.rollout_is:
-                    is_weights = truncated_is_weights(
-                        t["old_log_probs"], t["rollout_log_probs"], mask, s.rollout_is_threshold
-                    )
-                adv, _returns = self.estimator(
-                    token_level_rewards=rewards,
-                    response_mask=mask,
-                    index=batch["uid"],
-                    old_log_probs=t["old_log_probs"],
-                    sum_pi_squared=t["sum_pi_squared"],
-                    rollout_is_weights=is_weights,
-                    handle_zero_tail=s.handle_zero_tail,
-                    norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo,
-                )
-                loss_mask, filter_metrics = filter_loss_mask(batch, s.filters)
-                t["advantages"] = adv.float() * loss_mask
-                t["loss_mask"] = loss_mask
-                if is_weights is not None:  # the loss multiplies its per-token surrogate by them, as verl's
-                    t["rollout_is_weights"] = is_weights
-
-        def learn() -> dict[str, float]:
-            if one_forward:  # exactly on-policy: the update's own forward gives the old statistics
-                with timer("update"):
-                    out = on_policy_update(self.model, self.optimizer, tensors, s.actor, advantages, ref)
-                timer.seconds["timing/update_s"] -= timer.seconds["timing/advantage_s"]
-                timer.seconds["timing/old_log_prob_s"] = 0.0  # no separate pass (the key stays, for readers)
-                return out
-            with timer("old_log_prob"):  # log-prob, entropy and Σπ², one pass
-                tensors.update(compute_old_stats(self.model, tensors, s.actor))
-            advantages(tensors)
-            with timer("update"):
-                g = torch.Generator().manual_seed(s.seed * 7919 + self.step)
-                out = {}
-                for _ in range(s.ppo_epochs):
-                    perm = torch.randperm(rows, generator=g)
-                    minis = [perm[i : i + per_mini] for i in range(0, rows, per_mini)]
-                    out = ppo_update(self.model, self.optimizer, tensors, minis, s.actor, ref)
-            return out
-
+                ref = score(self.ref_model, batch, s.actor).log_probs
         if overlap:
-            actor_metrics, self._ahead, overlap_s = self._learn_beside_next_rollout(learn)
-            own = {k: timer.seconds.get(k, 0.0) for k in ("timing/old_log_prob_s", "timing/advantage_s")}
+            (old, adv, actor_metrics), self._ahead, overlap_s = self._learn_beside_next_rollout(batch, ref, timer)
+            own = timer.seconds.get("timing/old_log_prob_s", 0.0) + timer.seconds.get("timing/advantage_s", 0.0)
             timer.seconds["timing/update_own_s"] = timer.seconds["timing/update_s"]
             # the step waited on both: the wall of the two together goes under update_s
-            timer.seconds["timing/update_s"] = max(overlap_s - sum(own.values()), 0.0)
+            timer.seconds["timing/update_s"] = max(overlap_s - own, 0.0)
             timer.seconds["timing/next_rollout_s"] = self._ahead.seconds
         else:
-            actor_metrics = learn()
-        actor_metrics["actor/one_forward"] = float(one_forward)
+            old, adv, actor_metrics = self._learn(batch, ref, timer)
         actor_metrics["rollout/policy_lag"] = float(ahead is not None)
-        loss_mask = tensors["loss_mask"]
         lr_used = self.optimizer.param_groups[0]["lr"]  # this step's rate, before the scheduler moves it
         with timer("update"):
             if self.scheduler is not None:
                 self.scheduler.step()
-
         if overlap:  # the engine is rolling out the next step: its weights go in when that is done
             self._engine_behind = True
             timer.seconds.setdefault("timing/weight_sync_s", 0.0)  # every row has every phase
         else:
             with timer("weight_sync"):
                 self._sync_weights()
-
         with timer("metrics"):
-            # metrics over all ranks' rows (rank order = the one-process row order)
-            trajs = gather_objects(batch.trajectories, self.world)
-            local = {
-                "advantages": tensors["advantages"],
-                "loss_mask": loss_mask,
-                "old_log_probs": tensors["old_log_probs"],
-                "sum_pi_squared": tensors["sum_pi_squared"],
-                "rollout_log_probs": tensors["rollout_log_probs"],
-                "response_mask": tensors["response_mask"],
-            }
-            if is_weights is not None:
-                local["is_weights"] = is_weights
-            g_all = gather_tensors(local, self.world)
-            metrics = trajectory_metrics(trajs)
-            metrics["train/zero_advantage_frac"] = equal_reward_group_frac(trajs)
-            metrics.update(actor_metrics)
-            kept = gather_objects([filter_metrics["filter/kept_frac"]], self.world)  # equal rows per rank
-            metrics["filter/kept_frac"] = float(np.mean(kept))
-            metrics.update(advantage_stats(g_all["advantages"], g_all["loss_mask"]))
-            metrics.update(
-                variance_proxy_metrics(
-                    g_all["advantages"],
-                    g_all["loss_mask"],
-                    g_all["old_log_probs"],
-                    g_all["sum_pi_squared"],
-                    rollout_is_weights=g_all.get("is_weights"),
-                    gradient_norm=actor_metrics.get("actor/grad_norm"),
-                )
-            )
-            # the engine's log-probs against the actor's on the same tokens (lag 0: noise; one step off-policy: lag 1)
-            metrics.update(
-                rollout_actor_gap(g_all["rollout_log_probs"], g_all["old_log_probs"], g_all["response_mask"])
-            )
-            metrics["actor/lr"] = lr_used
-            metrics["rollout/gen_waited_on_tools_frac"] = batch.stats.get("gen_waited_on_tools_frac", float("nan"))
-            metrics["rollout/sampled_tokens_per_s"] = batch.stats.get("sampled_tokens_per_s", float("nan"))
-            # this step's tokens, all ranks: sampled by the policy, and inserted by tools (observations)
-            metrics["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
-            metrics["rollout/tool_tokens"] = float(sum(len(t.response_ids) - sum(t.response_mask) for t in trajs))
-            # the step's tokens (prompt + response, padding excluded), all ranks; pad_frac: the share of
-            # padding in the columns the update's forwards ran (trimmed or packed); shared_prompt_frac: the
-            # share of the step's tokens the forwards did not run again (a group's prompt once)
-            real = float(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
-            per_pass = self.world / max(s.ppo_epochs, 1)
-            ran = actor_metrics.get("actor/forward_tokens", 0.0) * per_pass
-            ran_real = actor_metrics.get("actor/forward_real_tokens", 0.0) * per_pass
-            metrics["perf/pad_frac"] = max(1.0 - ran_real / ran, 0.0) if ran else 0.0
-            metrics["perf/shared_prompt_frac"] = max(1.0 - ran_real / real, 0.0) if ran and real else 0.0
-            timing = timer.seconds
-            metrics["perf/rollout_sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(
-                timing["timing/rollout_s"], 1e-9
-            )
-            metrics["perf/update_tokens_per_s"] = real * s.ppo_epochs / max(timing["timing/update_s"], 1e-9)
-            metrics.update(timing)
-        metrics["timing/metrics_s"] = timing["timing/metrics_s"]
+            metrics = step_metrics(batch, old, adv, actor_metrics, timer.seconds, s, world=self.world, lr=lr_used)
+        metrics["timing/metrics_s"] = timer.seconds["timing/metrics_s"]
         metrics["timing/step_s"] = timer.elapsed()
         # CPU seconds of this process's threads over the step (tool sandboxes are other processes): over
         # step_s, how many cores the step kept busy
@@ -354,28 +200,65 @@ class Trainer:
         metrics["timing/step_other_s"] = max(metrics["timing/step_s"] - sum(metrics[k] for k in inner), 0.0)
         return StepResult(metrics, batch)
 
+    def _rollout_step(self) -> RolloutBatch:
+        """This step's rollout, with the engine's current weights."""
+        self.model.eval()
+        items, offset = self._draw()
+        return self._rollout(items, self.settings.n, seed=self._step_seed(self.step), offset=offset)
+
+    def _learn(
+        self, batch: RolloutBatch, ref: torch.Tensor | None, timer: PhaseTimer
+    ) -> tuple[TokenStats, Advantages, dict[str, float]]:
+        """score → advantages → update on ``batch``; on an exactly on-policy step the old statistics are
+        the update's own forward (begin → advantages → finish)."""
+        s = self.settings
+        rows = batch["responses"].shape[0]
+        one_forward = one_forward_applies(s.actor, rows, s.ppo_mini_batch_size * s.n // self.world, s.ppo_epochs)
+        if one_forward:
+            with timer("update"):
+                pending = begin_on_policy_update(self.model, self.optimizer, batch.tensors, s.actor)
+            with timer("advantage"):
+                adv = advantages(batch, pending.old, self.estimator, s)
+            with timer("update"):
+                metrics = finish_on_policy_update(pending, adv, s.actor, ref)
+            old = pending.old
+            timer.seconds["timing/old_log_prob_s"] = 0.0  # no separate pass (the key stays, for readers)
+        else:
+            with timer("old_log_prob"):  # log-prob, entropy and Σπ², one pass
+                old = score(self.model, batch, s.actor)
+            with timer("advantage"):
+                adv = advantages(batch, old, self.estimator, s)
+            with timer("update"):
+                metrics = update(
+                    self.model, self.optimizer, batch, old, adv, s, step=self.step, world=self.world, ref_log_probs=ref
+                )
+        metrics["actor/one_forward"] = float(one_forward)
+        return old, adv, metrics
+
     def _draw(self) -> tuple[list[dict], int]:
         """This rank's block of the next prompt batch, and the block's offset in it."""
         return shard_items(self.cursor.next_batch(), self.rank, self.world)
 
-    def _learn_beside_next_rollout(self, learn) -> tuple[dict[str, float], "_Ahead", float]:
-        """``learn()`` (this step's update) in a worker thread while the next step's rollout runs on
-        this thread's event loop with the engine's weights of before the update. Returns the update's
-        metrics, the next rollout and the wall seconds of the two together."""
+    def _learn_beside_next_rollout(
+        self, batch: RolloutBatch, ref: torch.Tensor | None, timer: PhaseTimer
+    ) -> tuple[tuple[TokenStats, Advantages, dict[str, float]], "_Ahead", float]:
+        """:meth:`_learn` (this step's update) in a worker thread while the next step's rollout runs on
+        this thread's event loop with the engine's weights of before the update. Returns what
+        :meth:`_learn` returns, the next rollout and the wall seconds of the two together."""
         s = self.settings
         cursor_before = self.cursor.state()
         items, offset = self._draw()
 
         async def both():
-            update = asyncio.ensure_future(asyncio.to_thread(learn))
+            learning = asyncio.ensure_future(asyncio.to_thread(self._learn, batch, ref, timer))
             t0 = time.perf_counter()
             try:
-                batch = await self._episodes(items, s.n, self._step_seed(self.step + 1), offset=offset)
+                nxt = await self._episodes(items, s.n, self._step_seed(self.step + 1), offset=offset)
             except BaseException:
-                await asyncio.gather(update, return_exceptions=True)  # never leave the update running
+                await asyncio.gather(learning, return_exceptions=True)  # never leave the update running
                 raise
             seconds = time.perf_counter() - t0
-            return await update, _Ahead(batch, cursor_before, seconds)
+            return await learning, _Ahead(nxt, cursor_before, seconds)
 
         # the update takes the cores the engine leaves (on the CPU its steps hold cpu_threads of them;
         # torch's thread count is the process's): on 2 cores 1 and 1, as torch's 2 threads beside the
@@ -384,10 +267,10 @@ class Trainer:
         torch.set_num_threads(max(1, before - int(getattr(self.engine, "cpu_threads", 0) or 0)))
         t0 = time.perf_counter()
         try:
-            metrics, ahead = run_sync(both())
+            learned, ahead = run_sync(both())
         finally:
             torch.set_num_threads(before)
-        return metrics, ahead, time.perf_counter() - t0
+        return learned, ahead, time.perf_counter() - t0
 
     def _sync_weights(self) -> None:
         if self.weights_fn is None:  # the engine shares the trainer's model

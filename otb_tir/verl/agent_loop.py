@@ -56,6 +56,7 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
 
 from agent_env import AgentEnv, EnvError, EpisodeConfig, Trajectory  # noqa: E402
 from agent_env.engines.base import EngineError, GenerationOutput, SamplingParams  # noqa: E402
+from agent_env.records import Prompt  # noqa: E402
 from agent_env.rewards import ERROR_KINDS as REWARD_ERROR_KINDS  # noqa: E402
 from agent_env.tool_metrics import COUNT_KEYS, episode_counts  # noqa: E402
 from tools.assembly import ToolSet, plain  # noqa: E402
@@ -289,12 +290,10 @@ class OTBToolAgentLoop(AgentLoopBase):
         return env
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        raw_prompt = kwargs.get("raw_prompt")
-        if raw_prompt is None:
+        if kwargs.get("raw_prompt") is None:
             raise EnvError(f"{AGENT_NAME} needs the dataset field 'raw_prompt' (verl's data.return_raw_chat=True)")
-        messages = [dict(m) for m in raw_prompt]
-        reward_model = kwargs.get("reward_model") or {}
-        ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+        row = Prompt.from_row(kwargs, prompt_key="raw_prompt")
+        messages = [dict(m) for m in row.prompt]
         env = self._env()
         # the sandbox pools start before the episode, shared by the worker's episodes: under load the
         # start-up can take longer than a tool call's timeout, and in the first call it would count
@@ -336,15 +335,13 @@ class OTBToolAgentLoop(AgentLoopBase):
             )
 
         engine = ServerManagerEngine(self.server_manager, sampling_params)
-        uid = kwargs.get("uid")
-        extra_info = kwargs.get("extra_info")
         traj = await env.run(
             engine,
             messages,
-            uid=None if uid is None else str(uid),
-            ground_truth=ground_truth,
-            data_source=kwargs.get("data_source"),
-            extra_info=dict(extra_info) if isinstance(extra_info, Mapping) else None,
+            uid=row.uid,
+            ground_truth=row.ground_truth,
+            data_source=row.data_source,
+            extra_info=row.extra_info if isinstance(row.extra_info, dict) else None,
         )
         tool_rounds = sum(1 for t in traj.turns if t.obs_end > t.obs_start)
         return AgentLoopOutput(

@@ -155,7 +155,7 @@ def test_policy_gradient_norm_is_the_true_gradient_and_leaves_weights(bench, tin
         "response_mask": response_mask,
     }
     settings = ActorSettings(ppo_micro_batch_size=4, grad_clip=0.5, kl_loss_coef=0.1, entropy_coeff=0.01)
-    tensors["old_log_probs"] = compute_old_stats(model, tensors, settings)["old_log_probs"]
+    tensors["old_log_probs"] = compute_old_stats(model, tensors, settings).log_probs
     adv = torch.randn(b, r) * response_mask
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
 

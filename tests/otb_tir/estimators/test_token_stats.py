@@ -193,7 +193,7 @@ def test_the_actor_caps_its_chunk_at_a_large_vocabulary(monkeypatch):
             "response_mask": torch.ones(2, 4),
         }
         out = actor.compute_old_stats(model, batch, actor.ActorSettings(ppo_micro_batch_size=2))
-        assert seen[-1] == want and out["sum_pi_squared"].shape == (2, 4)
+        assert seen[-1] == want and out.sum_pi_squared.shape == (2, 4)
 
 
 # ------------------------------------------------------------------------------ gradients

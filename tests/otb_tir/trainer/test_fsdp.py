@@ -161,17 +161,20 @@ def test_rank_blocks_roll_out_the_same_episodes_as_one_process(tmp_path, tiny_mo
 
 def _two_pass_update(tiny_model_factory, batch: dict, micro: int):
     """compute_old_stats, then ppo_update of fixed random advantages as one mini-batch in
-    micro-batches of ``micro`` rows (SGD, lr 0.1), on a fresh tiny model: (batch, metrics, weights)."""
+    micro-batches of ``micro`` rows (SGD, lr 0.1), on a fresh tiny model: (old stats as a dict,
+    metrics, weights)."""
     from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
+    from otb_tir.trainer.ppo import Advantages
 
     torch.manual_seed(0)
     model = tiny_model_factory()
     s = ActorSettings(ppo_micro_batch_size=micro)
-    t = dict(batch)
-    t.update(compute_old_stats(model, t, s))
-    t["loss_mask"] = t["response_mask"]
-    t["advantages"] = torch.randn(t["responses"].shape, generator=torch.Generator().manual_seed(1)) * t["loss_mask"]
-    m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), t, [torch.arange(t["responses"].shape[0])], s)
+    old = compute_old_stats(model, batch, s)
+    mask = batch["response_mask"]
+    adv = Advantages(torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask, mask)
+    rows = [torch.arange(batch["responses"].shape[0])]
+    m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, old, adv, rows, s)
+    t = {"old_log_probs": old.log_probs, "entropy": old.entropy, "sum_pi_squared": old.sum_pi_squared}
     return t, m, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
@@ -197,11 +200,19 @@ def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
 
 
 def test_one_forward_update_equals_the_two_pass_update(tiny_model_factory):
-    """on_policy_update (old statistics from the update's own forward) against the oracle, the two
-    passes it replaces: compute_old_stats, the TIR-OTB advantages on them, then ppo_update on one
-    mini-batch. The same old log-probs, Σπ² and advantages, the same update and metrics."""
+    """begin_on_policy_update → advantages → finish_on_policy_update (old statistics from the update's
+    own forward) against the oracle, the two passes it replaces: compute_old_stats, the TIR-OTB
+    advantages on them, then ppo_update on one mini-batch. The same old log-probs, Σπ² and
+    advantages, the same update and metrics."""
     from otb_tir.advantage import get_estimator
-    from otb_tir.trainer.actor import ActorSettings, compute_old_stats, on_policy_update, ppo_update
+    from otb_tir.trainer.actor import (
+        ActorSettings,
+        begin_on_policy_update,
+        compute_old_stats,
+        finish_on_policy_update,
+        ppo_update,
+    )
+    from otb_tir.trainer.ppo import Advantages
 
     g = torch.Generator().manual_seed(0)
     B, P, R = 6, 5, 12
@@ -221,31 +232,35 @@ def test_one_forward_update_equals_the_two_pass_update(tiny_model_factory):
     estimator = get_estimator("tir_optimal_token_baseline")
     calls = []
 
-    def advantages(t):
-        calls.append(sorted(k for k in ("old_log_probs", "sum_pi_squared", "entropy") if k in t))
+    def advantages(old):
+        calls.append([x is not None for x in old])
         adv, _ = estimator(
-            token_level_rewards=t["token_level_rewards"],
-            response_mask=t["response_mask"],
+            token_level_rewards=batch["token_level_rewards"],
+            response_mask=mask,
             index=uid,
-            old_log_probs=t["old_log_probs"],
-            sum_pi_squared=t["sum_pi_squared"],
+            old_log_probs=old.log_probs,
+            sum_pi_squared=old.sum_pi_squared,
         )
-        t["advantages"], t["loss_mask"] = adv.float() * t["response_mask"], t["response_mask"]
+        return Advantages(adv.float() * mask, mask)
 
     s = ActorSettings(ppo_micro_batch_size=B, clip_ratio_c=3.0)
     runs = {}
     for way in ("two_pass", "one_forward"):
         model = tiny_model_factory()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        t = dict(batch)
         if way == "two_pass":
-            t.update(compute_old_stats(model, t, s))
-            advantages(t)
-            m = ppo_update(model, opt, t, [torch.arange(B)], s)
+            old = compute_old_stats(model, batch, s)
+            adv = advantages(old)
+            m = ppo_update(model, opt, batch, old, adv, [torch.arange(B)], s)
         else:
-            m = on_policy_update(model, opt, t, s, advantages)
+            pending = begin_on_policy_update(model, opt, batch, s)
+            old = pending.old
+            adv = advantages(old)
+            m = finish_on_policy_update(pending, adv, s)
+        t = {"old_log_probs": old.log_probs, "sum_pi_squared": old.sum_pi_squared, "entropy": old.entropy}
+        t["advantages"] = adv.advantages
         runs[way] = (t, m, torch.cat([p.detach().flatten() for p in model.parameters()]))
-    assert calls == [["entropy", "old_log_probs", "sum_pi_squared"]] * 2  # the estimator saw the old stats
+    assert calls == [[True, True, True]] * 2  # the estimator saw the old stats
     (t2, m2, w2), (t1, m1, w1) = runs["two_pass"], runs["one_forward"]
     for key in ("old_log_probs", "sum_pi_squared", "entropy", "advantages"):
         torch.testing.assert_close(t1[key], t2[key], rtol=0, atol=1e-6, msg=key)

@@ -30,7 +30,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 def _log_probs_at(tr, weights, tensors) -> torch.Tensor:
     model = copy.deepcopy(tr.model)
     model.load_state_dict(weights)
-    return compute_old_stats(model, dict(tensors), tr.settings.actor)["old_log_probs"]
+    return compute_old_stats(model, dict(tensors), tr.settings.actor).log_probs
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

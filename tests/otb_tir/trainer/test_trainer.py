@@ -22,7 +22,8 @@ from otb_tir.trainer.config import load_config
 from otb_tir.trainer.distributed import DistInfo
 from otb_tir.trainer.parts import build_parts, trainer_settings
 from otb_tir.trainer.settings import FilterSettings
-from otb_tir.trainer.trainer import Trainer, filter_loss_mask
+from otb_tir.trainer.step import filter_loss_mask
+from otb_tir.trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -97,7 +98,7 @@ def test_step_raises_logprob_of_positive_advantage_trajectories(tmp_path, tiny_m
     tr = _trainer(tmp_path, tiny_model_dir, ["actor.optim.lr=3e-3"])
     res = tr.train_step()
     t = dict(res.batch.tensors)
-    new = compute_old_stats(tr.model, t, tr.settings.actor)["old_log_probs"]
+    new = compute_old_stats(tr.model, t, tr.settings.actor).log_probs
     mask = t["response_mask"].float()
     # re-derive the advantages the step used and the old log-probs it saw
     stats_before = res.batch.tensors  # rollout log-probs are the pre-update policy's (shared weights)
@@ -157,7 +158,7 @@ def test_filters_mask_whole_trajectories(tmp_path, tiny_model_dir):
         expect_kept = t.finish_reason not in ("length", "turn_length", "tool_overflow")
         kept_group = len({x.reward for x in batch.trajectories[3:]}) > 1
         assert bool(mask[i].sum() > 0) == (expect_kept and kept_group and sum(t.response_mask) > 0)
-    assert 0 <= m["filter/kept_frac"] <= 1
+    assert 0 <= m <= 1
     asyncio_close(tr)
 
 
@@ -172,7 +173,7 @@ def test_void_turn_filter_masks_exactly_the_rows_with_a_void_turn(tmp_path, tiny
     on = trainer_settings(load_config(None, ["algorithm.filter.void_turns=true"])).filters
     assert on == FilterSettings(void_turns=True)
     base, m_off = filter_loss_mask(batch, off)
-    assert torch.equal(base, batch["response_mask"].float()) and m_off["filter/kept_frac"] == 1.0
+    assert torch.equal(base, batch["response_mask"].float()) and m_off == 1.0
     rng = random.Random(0)
     # the real episodes' void turns, then random assignments (rows with and without a void turn)
     for trial in range(6):
@@ -185,7 +186,7 @@ def test_void_turn_filter_masks_exactly_the_rows_with_a_void_turn(tmp_path, tiny
         mask, m = filter_loss_mask(batch, on)
         assert torch.all(mask[void] == 0)
         assert torch.equal(mask[~void], base[~void])
-        assert m["filter/kept_frac"] == pytest.approx(float((~void).float().mean()))
+        assert m == pytest.approx(float((~void).float().mean()))
         assert torch.equal(filter_loss_mask(batch, off)[0], base)  # off: the void turns are ignored
     asyncio_close(tr)
 
