@@ -78,7 +78,10 @@ def test_each_layer_imports_only_the_layers_below_it_and_verl_stays_in_its_plugi
 #: Packages whose modules never import their ancestor packages' ``__init__`` (otb_tir and tools still do:
 #: ``otb_tir.ConfigError``, ``tools.ToolError``), and the modules not moved yet, with why.
 NO_ARROWS_UP = ("agent_env",)
-ARROWS_UP_PENDING: dict[str, str] = {}
+ARROWS_UP_PENDING = {
+    "agent_env.math_task.data": "its code is in the shipped warm start's cache key (BUILD_MODULES): the import "
+    "moves to agent_env.errors when the warm start is next reshipped (python -m otb_tir.defaults.reship)",
+}
 
 
 def test_no_module_imports_its_own_package_init():
