@@ -7,28 +7,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from record import heading_anchors
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("results.md", "results-log.md")
 LINK = re.compile(r"\]\(((?:[\w./-]*/)?(results(?:-log)?\.md))?#([^)\s]+)\)")
 
 
 def anchors(text: str) -> set[str]:
-    """GitHub's heading anchors: lowercase, punctuation dropped, spaces to '-', repeats get -1, -2, ..."""
-    seen: dict[str, int] = {}
-    out: set[str] = set()
-    fence = False
-    for line in text.splitlines():
-        if line.startswith("```"):
-            fence = not fence
-            continue
-        m = None if fence else re.match(r"#{1,6} (.*)", line)
-        if not m:
-            continue
-        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
-        n = seen.get(slug, 0)
-        seen[slug] = n + 1
-        out.add(slug if n == 0 else f"{slug}-{n}")
-    return out
+    """GitHub's heading anchors (record.py's rule, the one the sections it writes link by)."""
+    return set(heading_anchors(text))
 
 
 def broken_links(root: Path = ROOT) -> list[str]:

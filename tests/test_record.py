@@ -1,11 +1,15 @@
-"""benchmarks/record.py, the one writer of docs/results.md sections, run as a user runs it."""
+"""benchmarks/record.py, the one writer of docs/results.md sections and of the outputs in docs/results-log.md,
+run as a user runs it."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from record import heading_anchors
 
 RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "record.py"
 
@@ -31,7 +35,9 @@ def test_a_run_writes_its_section_with_date_machine_and_command_and_a_rerun_repl
     assert "hand-written intro" in text and "## Other section\n\nkept" in text
     assert "<!-- results:demo -->\n## Demo bench (" in text and "ratio 1.25" in text
     assert "Machine: " in text and f"Command: `{shlex.join(cmd)}`" in text
-    second = _record(page, "demo", "Demo bench", "--", sys.executable, "-c", "print('ratio 2.50')")
+    assert re.search(r"Speed reference: \d+ GFLOP/s \(measured by record.py after the run\)", text)
+    code = "print('ratio 2.50, speed reference 7 GFLOP/s')"  # printed: not measured again
+    second = _record(page, "demo", "Demo bench", "--", sys.executable, "-c", code)
     assert second.returncode == 0, second.stderr
     text = page.read_text()
     assert "ratio 2.50" in text and "ratio 1.25" not in text  # replaced, not appended
@@ -42,17 +48,49 @@ def test_a_rerun_leaves_one_section_in_the_page_and_moves_the_previous_one_to_th
     page = tmp_path / "results.md"
     log = tmp_path / "results-log.md"
     page.write_text("# Measured results\n")
-    assert _record(page, "demo", "Demo", "--", sys.executable, "-c", "print('ratio 1.25')").returncode == 0
-    assert not log.exists()  # a first run replaces nothing
-    assert _record(page, "demo", "Demo", "--", sys.executable, "-c", "print('ratio 2.50')").returncode == 0
+
+    def run(ratio: str) -> None:
+        code = f"print('ratio {ratio}'); print('speed reference 99 GFLOP/s')"
+        assert _record(page, "demo", "Demo", "--", sys.executable, "-c", code).returncode == 0
+
+    run("1.25")
+    assert "<!-- results:demo -->" not in log.read_text()  # a first run replaces nothing
+    assert "Speed reference: 99 GFLOP/s" in page.read_text()  # the one the output printed
+    run("2.50")
     text, history = page.read_text(), log.read_text()
     assert text.count("<!-- results:demo -->") == 1 and "ratio 2.50" in text and "ratio 1.25" not in text
-    assert history.count("<!-- results:demo -->") == 1 and "ratio 1.25" in history and "ratio 2.50" not in history
-    assert "Moved from results.md on " in history
-    assert _record(page, "demo", "Demo", "--", sys.executable, "-c", "print('ratio 3.75')").returncode == 0
-    history = log.read_text()  # appended to, never rewritten: oldest first
+    assert history.count("<!-- results:demo -->") == 1 and "Moved from results.md on " in history
+    # the log has both outputs and the replaced section, oldest first
+    assert history.index("ratio 1.25") < history.index("<!-- results:demo -->") < history.index("ratio 2.50")
+    run("3.75")
+    history = log.read_text()  # appended to, never rewritten
     assert history.count("<!-- results:demo -->") == 2 and history.index("ratio 1.25") < history.index("ratio 2.50")
-    assert "ratio 3.75" in page.read_text() and "ratio 3.75" not in history
+    assert history.index("ratio 2.50") < history.rindex("ratio 3.75") and "ratio 3.75" in page.read_text()
+
+
+def test_a_long_output_goes_whole_to_the_log_and_the_page_keeps_its_figures_and_a_link(tmp_path):
+    page = tmp_path / "results.md"
+    log = tmp_path / "results-log.md"
+    code = "print('speed reference 42 GFLOP/s'); [print(f'row {i:03d}') for i in range(50)]"
+    assert _record(page, "long", "Long bench", "--", sys.executable, "-c", code).returncode == 0
+    text, history = page.read_text(), log.read_text()
+    assert all(f"row {i:03d}" in history for i in range(50))  # every line, verbatim, in the log
+    assert "row 037" not in text and all(f"row {i:03d}" in text for i in range(38, 50))  # the page: the last 12
+    assert "last 12 of 51 lines" in text
+    link = re.search(r"\]\(results-log\.md#([^)]+)\)", text).group(1)
+    assert link in heading_anchors(history)  # the link names the log's heading of this run
+    summary = tmp_path / "figures.md"
+    summary.write_text("| figure | value |\n|---|---|\n| rows | 50 |\n")
+    assert (
+        _record(page, "long", "Long bench", "--summary", str(summary), "--", sys.executable, "-c", code).returncode == 0
+    )
+    text, history = page.read_text(), log.read_text()
+    assert "| rows | 50 |" in text and "row 049" not in text and text.count("<!-- results:long -->") == 1
+    link = re.search(r"\]\(results-log\.md#([^)]+)\)", text).group(1)
+    assert link.endswith("-1") and link in heading_anchors(history)  # the second run's entry, same title
+    assert history.count("row 049") == 3  # two outputs and the replaced section's last lines
+    missing = _record(page, "long", "T", "--summary", str(tmp_path / "nope.md"), "--", sys.executable, "-c", code)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
 def test_a_failing_benchmark_writes_nothing_and_passes_its_exit_code_on(tmp_path):
@@ -82,5 +120,6 @@ def test_a_run_on_another_machine_is_recorded_from_what_it_printed_without_runni
     assert not marker.exists()
     text = page.read_text()
     assert "Machine: 1x NVIDIA H200." in text and "engine 1.23x" in text and f"Command: `{shlex.join(cmd)}`" in text
+    assert "Speed reference: not printed." in text  # not measured here: this is not that machine
     # one without the other is refused
     assert _record(page, "gpu", "T", "--printed", str(printed), "--", *cmd).returncode == 2
