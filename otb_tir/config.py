@@ -3,22 +3,25 @@ overrides, validated. An unknown or ill-typed key fails at start with
 :class:`~otb_tir.ConfigError` naming the key, the valid keys and the closest match.
 
 The training config (:mod:`otb_tir.trainer.config`) and the evaluation config
-(:mod:`otb_tir.evaluation.config`) are schemas loaded by :func:`load_structured`.
+(:mod:`otb_tir.evaluation.config`) are schemas loaded by :func:`load_structured`;
+:func:`take_passthrough` takes out the keys a section hands on to another program's config (the
+training config's ``verl.<verl key>=value``), so they need no schema here.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from otb_tir import ConfigError
 
-__all__ = ["load_structured"]
+__all__ = ["load_structured", "take_passthrough"]
 
 
 def _valid_keys(prefix: str, schema: type) -> list[str]:
@@ -125,3 +128,49 @@ def _leaf_keys(node: Any, prefix: str = "") -> set[str]:
             out.add(f"{prefix}{k}")
         return out
     return set()
+
+
+def take_passthrough(
+    sources: list[tuple[str, Any]], overrides: list[str], section: str, schema: type
+) -> tuple[list[str], list[str]]:
+    """The overrides to merge, and the keys of ``section`` that its ``schema`` lacks, handed on as
+    ``key=value`` items (``+key=value`` for ``+<section>.<key>=value``): given as
+    ``<section>.<key>=value`` on the command line or as nested keys under ``<section>:`` in the YAML
+    sources (taken out of them). For :func:`load_structured`'s ``sources_hook``."""
+    schema_keys = frozenset(f.name for f in fields(schema))
+    passed: list[str] = []
+    for _, src in sources:
+        passed += _pop_yaml_passthrough(src, section, schema_keys)
+    ours = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        plus = key.startswith("+")
+        bare = key[1:] if plus else key
+        if bare.startswith(section + ".") and bare.split(".")[1] not in schema_keys:
+            passed.append(("+" if plus else "") + bare[len(section) + 1 :] + "=" + value)
+        else:
+            ours.append(o)
+    return ours, passed
+
+
+def _pop_yaml_passthrough(src: Any, section: str, schema_keys: frozenset[str]) -> list[str]:
+    """The nested keys under a YAML source's ``section`` that its schema lacks, as ``key=value`` items."""
+    if not isinstance(src, DictConfig) or not isinstance(src.get(section), DictConfig):
+        return []
+    node = src[section]
+    extra = {k: node[k] for k in list(node.keys()) if k not in schema_keys}
+    for k in extra:
+        node.pop(k)
+    out: list[str] = []
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, DictConfig) and len(node):
+            for k in node.keys():
+                walk(f"{prefix}.{k}", node[k])
+            return
+        value = OmegaConf.to_container(node) if isinstance(node, (DictConfig, ListConfig)) else node
+        out.append(f"{prefix}={json.dumps(value)}")
+
+    for k, item in extra.items():
+        walk(str(k), item)
+    return out

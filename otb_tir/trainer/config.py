@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agent_env.math_task.reward import RewardConfig  # the one reward config: the trainer's `reward` section
 from otb_tir import ConfigError
-from otb_tir.config import load_structured
+from otb_tir.config import load_structured, take_passthrough
 
 
 @dataclass
@@ -241,25 +241,41 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """The training config: :class:`Config`'s defaults ← YAML file ← ``key=value`` overrides,
     validated (unknown keys, types, ``CHOICES``, ranges) by :func:`otb_tir.config.load_structured`.
 
-    ``trainer=verl`` is shorthand for ``trainer.name=verl``; ``verl.<verl key>=value`` settings pass
-    through to verl (:mod:`otb_tir.verl.overrides`).
+    ``trainer=verl`` is shorthand for ``trainer.name=verl``. The ``verl`` section's keys other than
+    :class:`VerlConfig`'s (``verl.<verl key>=value`` on the command line, ``+verl.<key>=value`` for a
+    key verl lacks, nested keys under ``verl:`` in YAML) pass through to verl: they join
+    ``verl.overrides`` (:func:`otb_tir.config.take_passthrough`; no verl import: the loader runs
+    without verl installed).
     """
-    from otb_tir.verl import overrides as verl_overrides
-
     verl_items: list[str] = []
 
     def split(sources: list[tuple[str, Any]], items: list[str]) -> list[str]:
-        ours, verl = verl_overrides.take_passthrough(sources, items, VerlConfig)
+        ours, verl = take_passthrough(sources, items, "verl", VerlConfig)
         verl_items.extend(verl)
         # `trainer=verl` is shorthand for `trainer.name=verl` (the README's verl command)
         return [f"trainer.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "trainer" else o for o in ours]
 
     def check(cfg: DictConfig, given: frozenset[str]) -> None:
-        verl_overrides.apply_section(cfg, verl_items)
+        _add_verl_overrides(cfg, verl_items)
         _follow_defaults(cfg, given)
         _check_ranges(cfg)
 
     return load_structured(Config, path, overrides, choices=CHOICES, check=check, sources_hook=split)
+
+
+def _add_verl_overrides(cfg: DictConfig, items: list[str]) -> None:
+    """Append the passed-through verl settings to ``verl.overrides`` and check them."""
+    cfg.verl.overrides = [*cfg.verl.overrides, *items]
+    bad = [o for o in cfg.verl.overrides if "=" not in o]
+    if bad:
+        raise ConfigError(
+            f"verl.overrides entries must look like key=value (a key of verl's ppo_trainer config), got: {bad}"
+        )
+    if cfg.verl.overrides and cfg.trainer.name != "verl":
+        raise ConfigError(
+            f"verl settings {list(cfg.verl.overrides)} only apply to trainer=verl; add trainer=verl "
+            "or drop them (the local trainer is configured by this recipe's own keys)"
+        )
 
 
 def _follow_defaults(cfg: DictConfig, given: frozenset[str]) -> None:

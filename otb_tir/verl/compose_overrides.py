@@ -8,7 +8,8 @@ picks or key settings, checked for a value of the wrong kind for verl's key, and
 top of the recipe's values; and ``set_verl_key`` / ``_exists``, which set only keys verl's config has (a typo
 in a key name fails loudly). They live apart from the recipe's translation into verl's keys
 (:mod:`otb_tir.verl.compose`) because they know nothing of the recipe; the loader's side of the
-``verl`` section (collecting ``verl.<key>=value`` without importing verl) is :mod:`otb_tir.verl.overrides`.
+``verl`` section (collecting ``verl.<key>=value`` without importing verl) is
+:func:`otb_tir.trainer.config.load_config`, through :func:`otb_tir.config.take_passthrough`.
 """
 
 from __future__ import annotations
