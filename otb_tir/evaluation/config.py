@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from otb_tir import ConfigError
 from otb_tir.config import load_structured
-from otb_tir.trainer.config import ModelConfig, MultiTurnConfig, RewardConfig, RolloutConfig
+from otb_tir.trainer.config import CHOICES, ModelConfig, MultiTurnConfig, RewardConfig, RolloutConfig
 
 __all__ = ["EvalConfig", "load_eval_config", "EVAL_CHOICES", "DEFAULT_CONFIG"]
 
@@ -72,13 +72,12 @@ class EvalConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
 
+#: The training config's choices for the keys eval shares, and the eval engine's own settings.
 EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "rollout.name": ("hf", "vllm", "sglang"),
-    "rollout.decode_step": ("auto", "model", "fused", "compiled"),
-    "rollout.device": ("auto", "cpu", "cuda"),
-    "rollout.dtype": ("float32", "bfloat16", "float16", "auto"),
-    "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),
+    **{k: CHOICES[k] for k in ("model.dtype", "rollout.decode_step", "multi_turn.tool_response_truncate_side")},
+    "rollout.name": tuple(c for c in CHOICES["rollout.name"] if c != "auto"),  # no trainer to choose for
+    "rollout.device": CHOICES["trainer.device"],
+    "rollout.dtype": (*CHOICES["model.dtype"], "auto"),
 }
 
 

@@ -74,6 +74,23 @@ def test_training_and_eval_share_one_check_per_key(override, fragment):
             EpisodeConfig(**{key.split(".")[1]: yaml_value(value)})
 
 
+def test_eval_takes_the_training_choices_of_the_keys_they_share():
+    """EVAL_CHOICES is built from the training's CHOICES (the same tuples, not copies that can drift);
+    eval narrows rollout.name (no trainer to pick an engine for) and widens nothing but its own keys."""
+    from otb_tir.evaluation import load_eval_config
+    from otb_tir.evaluation.config import DEFAULT_CONFIG, EVAL_CHOICES
+    from otb_tir.trainer.config import CHOICES
+
+    shared = set(EVAL_CHOICES) & set(CHOICES)
+    assert shared == {"model.dtype", "rollout.name", "rollout.decode_step", "multi_turn.tool_response_truncate_side"}
+    assert all(EVAL_CHOICES[k] is CHOICES[k] for k in shared - {"rollout.name"})
+    assert EVAL_CHOICES["rollout.name"] == tuple(c for c in CHOICES["rollout.name"] if c != "auto")
+    assert EVAL_CHOICES["rollout.device"] is CHOICES["trainer.device"]
+    for load in (lambda o: load_config(None, o), lambda o: load_eval_config(DEFAULT_CONFIG, o)):
+        with pytest.raises(ConfigError, match="'rollout.decode_step' must be one of auto, model, fused, compiled"):
+            load(["rollout.decode_step=fast"])
+
+
 def yaml_value(text):
     import yaml
 
