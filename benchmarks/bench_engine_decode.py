@@ -60,7 +60,7 @@ from typing import Any, Callable
 
 import torch
 
-from otb_tir.defaults.shapes import QWEN3_0_6B
+from otb_tir.defaults.shapes import SHAPES, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,34 +68,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def build_model(shape: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    if shape == "tiny":
-        from otb_tir.defaults.tiny import tiny_policy_dir
-
-        model = AutoModelForCausalLM.from_pretrained(tiny_policy_dir(), dtype=dtype)
-    elif shape in ("small", "medium"):
-        torch.manual_seed(0)
-        h, layers = (256, 8) if shape == "small" else (768, 12)
-        config = Qwen3Config(
-            hidden_size=h,
-            intermediate_size=3 * h,
-            num_hidden_layers=layers,
-            num_attention_heads=h // 64,
-            num_key_value_heads=1,
-            head_dim=64,
-            vocab_size=2125,
-            tie_word_embeddings=True,
-        )
-        model = Qwen3ForCausalLM(config)
-    else:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B))
-    return model.to(device=device, dtype=dtype).eval()
 
 
 def draw(logits: torch.Tensor) -> torch.Tensor:
@@ -298,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--shape",
-        choices=["tiny", "small", "medium", "qwen3-0.6b"],
+        choices=["tiny", *SHAPES],
         default=None,
         help="default: tiny on CPU, else 0.6B",
     )

@@ -26,26 +26,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from otb_tir.token_stats import (  # noqa: E402
-    PackedRows,
-    pack_rows,
-    prompt_sharing_mask_dtype,
-    token_stats_for_causal_lm,
-)
-from otb_tir.trainer.actor import trim_padding  # noqa: E402
-
-
-def build(shape: str):
-    """The built-in tiny policy or bench_engine_decode's random ``small`` Qwen3 shape, float32 on the CPU."""
-    from bench_engine_decode import build_model  # this folder is on sys.path when run as a script
-
-    return build_model(shape, torch.device("cpu"), torch.float32)
+from otb_tir.defaults.shapes import build_model
+from otb_tir.token_stats import PackedRows, pack_rows, prompt_sharing_mask_dtype, token_stats_for_causal_lm
+from otb_tir.trainer.actor import trim_padding
 
 
 def group_rows(n: int, group: int, prompt: int, budget: int, vocab: int, seed: int):
@@ -91,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-prompt", type=int, default=150, help="prompt tokens in the 'groups' mix")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)
-    model = build(a.shape).train()
+    model = build_model(a.shape, torch.device("cpu"), torch.float32).train()
     vocab = model.get_output_embeddings().weight.shape[0]
     params = sum(p.numel() for p in model.parameters())
     print(

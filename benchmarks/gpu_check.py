@@ -35,24 +35,13 @@ from typing import Any
 
 import torch
 
-from otb_tir.defaults.shapes import QWEN3_0_6B
+from otb_tir.defaults.shapes import QWEN3_0_6B, TWO_LAYERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: runs/ go here
 log = logging.getLogger("gpu_check")
 
-SMOKE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=4096,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-)
+#: ``--cpu-smoke``: Qwen3-0.6B's settings at two layers (every code path, in seconds on a CPU)
+SMOKE = {**QWEN3_0_6B, **TWO_LAYERS, "vocab_size": 4096, "max_position_embeddings": 2048}
 
 
 class GPUCheckError(RuntimeError):

@@ -1,7 +1,8 @@
 """docs/architecture.md's layers hold in the code: `tools` ← `agent_env` ← `otb_tir`, each importing
 only the layers below it; verl only inside `otb_tir/verl/`; no import cycle between modules; inside
 ``agent_env`` no module imports its own package's ``__init__`` (an arrow up: the shared names live in a
-bottom module, ``agent_env.errors``, which the package re-exports).
+bottom module, ``agent_env.errors``, which the package re-exports); inside ``otb_tir`` its parts import
+in one direction; nothing outside the tests edits ``sys.path``.
 
 Imports are read from the source (ast), function-level ones included: a lazy import is still a
 dependency. A module importing its own ancestor package is left out of the cycle check (Python loads
@@ -142,6 +143,24 @@ def test_no_import_cycle_between_modules():
     cycles = _cycles(edges)
     described = [" ↔ ".join(c) + ": " + "; ".join(f"{m} → {sorted(edges[m] & set(c))}" for m in c) for c in cycles]
     assert not cycles, "import cycles:\n" + "\n".join(described)
+
+
+def test_only_tests_put_folders_on_sys_path():
+    """Benchmarks, recipes and scripts import the installed package like everything else (a script's
+    own folder is on ``sys.path`` already, for its sibling scripts): none edits ``sys.path``."""
+    edits = []
+    for folder in ("benchmarks", "recipes", "scripts", *LAYERS):
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                target = None
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):  # sys.path.insert(...)
+                    target = node.func.value
+                elif isinstance(node, (ast.Assign, ast.AugAssign)):  # sys.path = ..., sys.path[:0] = ...
+                    target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                    target = target.value if isinstance(target, ast.Subscript) else target
+                if isinstance(target, ast.Attribute) and ast.unparse(target) == "sys.path":
+                    edits.append(f"{f.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not edits, "sys.path edited outside tests:\n" + "\n".join(edits)
 
 
 #: Imports between otb_tir's parts not moved yet, with why (importer part, imported part).

@@ -7,17 +7,10 @@ from typing import Any
 
 import torch
 
+from otb_tir.defaults.shapes import TWO_LAYERS
+
 # two layers, grouped-query attention (4 heads over 2 key/value heads), 300 tokens
-SMALL = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-)
+SMALL = {**TWO_LAYERS, "vocab_size": 300, "max_position_embeddings": 128}
 
 
 def small_decoder(family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):

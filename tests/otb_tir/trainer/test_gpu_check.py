@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py (run by scripts/gpu_check.sh): a clear failure without a GPU, and the
 whole step (HF-engine rollout, FSDP2 actor on a one-rank gloo group, TIR-OTB, update, weight sync,
-fused vs unfused Σπ² replays) on CPU with a tiny Qwen3 shape (--cpu-smoke)."""
+fused vs unfused Σπ² replays) on CPU with a tiny Qwen3 shape (--cpu-smoke); the shapes the GPU
+checks and benchmarks build (otb_tir.defaults.shapes)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ def _load():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_the_benchmarks_shapes_build_the_models_their_names_say():
+    """otb_tir.defaults.shapes.build_model, which bench_engine_decode.py and bench_pack_rows.py share (on
+    the meta device: the shapes, no weights)."""
+    from otb_tir.defaults.shapes import SHAPES, build_model
+
+    sizes = {}
+    for name in SHAPES:
+        model = build_model(name, torch.device("meta"), torch.bfloat16)
+        assert not model.training and model.dtype == torch.bfloat16 and model.device.type == "meta"
+        embedding = model.get_input_embeddings().weight.numel()
+        sizes[name] = round(sum(p.numel() for p in model.parameters()) - embedding, -5) / 1e6
+    assert sizes == {"small": 6.6, "medium": 80.7, "qwen3-0.6b": 440.5}  # qwen3-0.6b: 596M with the embedding
+    gpu_check = _load()
+    assert gpu_check.SMOKE["num_hidden_layers"] == 2 and gpu_check.QWEN3_0_6B is SHAPES["qwen3-0.6b"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
