@@ -68,6 +68,7 @@ from typing import Any, Sequence
 
 import numpy as np
 from bench_estimators import PAIRED, SHORT, VARIANTS, estimator_advantages, policy_gradient  # a sibling script
+from figures import figure  # a sibling module (benchmarks/)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_tir_math.py"
@@ -631,38 +632,32 @@ def table_markdown(cells: dict[str, dict[int, dict]], estimators: Sequence[str],
 
 
 def plot(cells: dict[str, dict[int, dict]], estimators: Sequence[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Variance (top) and SNR (bottom) of each estimator's policy gradient against n, one column per
+    checkpoint."""
     cks = list(cells)
     styles = dict(zip(PAIRED, [("o", "-"), ("s", "--"), ("^", "-"), ("D", "-"), ("v", ":")]))
-    fig, axes = plt.subplots(2, len(cks), figsize=(4.5 * len(cks), 7), squeeze=False)
-    for j, ck in enumerate(cks):
-        ns = sorted(cells[ck])
-        for e in estimators:
-            for row, key in ((0, "variance"), (1, "snr")):
-                pts = [(n, cells[ck][n]["estimators"].get(e, {}).get(key, math.nan)) for n in ns]
-                pts = [(n, v) for n, v in pts if math.isfinite(v) and v > 0]  # log scale: positive values
-                if pts:
-                    marker, line = styles.get(e, ("o", "-"))
-                    axes[row][j].plot(*zip(*pts), marker=marker, linestyle=line, label=SHORT.get(e, e))
-        for row, ylabel in ((0, "Var = E‖g − E g‖²"), (1, "SNR = ‖E g‖² / Var")):
-            ax = axes[row][j]
-            ax.set_yscale("log")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ns, [str(n) for n in ns])
-            ax.set_xlabel("n (samples per prompt)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-        key = next(iter(cells[ck].values()))["key"]
-        title = CHECKPOINTS[ck].label if ck in CHECKPOINTS else ck
-        axes[0][j].set_title(f"{title}\nK = {key['k']} batches × B = {key['batch']} prompts", fontsize=10)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, len(cks), figsize=(4.5 * len(cks), 7)) as axes:
+        for j, ck in enumerate(cks):
+            ns = sorted(cells[ck])
+            for e in estimators:
+                for row, key in ((0, "variance"), (1, "snr")):
+                    pts = [(n, cells[ck][n]["estimators"].get(e, {}).get(key, math.nan)) for n in ns]
+                    pts = [(n, v) for n, v in pts if math.isfinite(v) and v > 0]  # log scale: positive values
+                    if pts:
+                        marker, line = styles.get(e, ("o", "-"))
+                        axes[row][j].plot(*zip(*pts), marker=marker, linestyle=line, label=SHORT.get(e, e))
+            for row, ylabel in ((0, "Var = E‖g − E g‖²"), (1, "SNR = ‖E g‖² / Var")):
+                ax = axes[row][j]
+                ax.set_yscale("log")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ns, [str(n) for n in ns])
+                ax.set_xlabel("n (samples per prompt)")
+                ax.set_ylabel(ylabel)
+                ax.grid(True, which="both", alpha=0.3)
+            key = next(iter(cells[ck].values()))["key"]
+            title = CHECKPOINTS[ck].label if ck in CHECKPOINTS else ck
+            axes[0][j].set_title(f"{title}\nK = {key['k']} batches × B = {key['batch']} prompts", fontsize=10)
+        axes[0][0].legend(fontsize=8)
 
 
 def report(out: Path, cells: dict[str, dict[int, dict]], estimators: Sequence[str], settings: Settings) -> str:

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from figures import figure  # a sibling module (benchmarks/)
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_tir_math.py"
 
@@ -380,43 +382,35 @@ def tables(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Accuracy vs sampled tokens, one line per arm (mean over seeds, 95 % CI band): held-out (top)
     and training batches (bottom), one column per task."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     tasks = list(report)
-    fig, axes = plt.subplots(2, len(tasks), figsize=(6.5 * len(tasks), 8.5), squeeze=False)
     panels = [(0, "curve", "held-out accuracy (greedy)"), (1, "train_curve", "training-batch accuracy (sampled)")]
-    for (row, key, ylabel), (col, task) in ((p, t) for p in panels for t in enumerate(tasks)):
-        ax = axes[row][col]
-        for name, a in report[task]["arms"].items():
-            curves = [r[key] for r in a["runs"].values()]
-            if key == "train_curve":  # from the first step's tokens on
-                curves = [[(0, 0.0, c[0][2])] + c for c in curves if c]
-            if not curves:
-                continue
-            end = min(c[-1][1] for c in curves)
-            if end <= 0:
-                continue
-            grid = np.linspace(0, end, 40)
-            ys = np.array([[accuracy_at_tokens(c, g) for g in grid] for c in curves])
-            mean = ys.mean(0)
-            style = "--" if ARMS[name].lr_scale != 1 else "-"
-            (line,) = ax.plot(grid / 1e3, mean, style, label=a["label"])
-            if len(curves) > 1:
-                half = T95.get(len(curves) - 1, 1.96) * ys.std(0, ddof=1) / np.sqrt(len(curves))
-                ax.fill_between(grid / 1e3, mean - half, mean + half, color=line.get_color(), alpha=0.15)
-        ax.set_title(f"task: {task}")
-        ax.set_xlabel("sampled tokens (thousands)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, len(tasks), figsize=(6.5 * len(tasks), 8.5)) as axes:
+        for (row, key, ylabel), (col, task) in ((p, t) for p in panels for t in enumerate(tasks)):
+            ax = axes[row][col]
+            for name, a in report[task]["arms"].items():
+                curves = [r[key] for r in a["runs"].values()]
+                if key == "train_curve":  # from the first step's tokens on
+                    curves = [[(0, 0.0, c[0][2])] + c for c in curves if c]
+                if not curves:
+                    continue
+                end = min(c[-1][1] for c in curves)
+                if end <= 0:
+                    continue
+                grid = np.linspace(0, end, 40)
+                ys = np.array([[accuracy_at_tokens(c, g) for g in grid] for c in curves])
+                mean = ys.mean(0)
+                style = "--" if ARMS[name].lr_scale != 1 else "-"
+                (line,) = ax.plot(grid / 1e3, mean, style, label=a["label"])
+                if len(curves) > 1:
+                    half = T95.get(len(curves) - 1, 1.96) * ys.std(0, ddof=1) / np.sqrt(len(curves))
+                    ax.fill_between(grid / 1e3, mean - half, mean + half, color=line.get_color(), alpha=0.15)
+            ax.set_title(f"task: {task}")
+            ax.set_xlabel("sampled tokens (thousands)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     return path
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import sweep_otb_claim as _claim  # a sibling script (benchmarks/): the run mechanism, arms, settings, CIs
+from figures import figure  # a sibling module (benchmarks/)
 
 Arm, Settings, run_one, mean_ci, T95 = _claim.Arm, _claim.Settings, _claim.run_one, _claim.mean_ci, _claim.T95
 TIR_OTB, GRPO, RLOO = _claim.TIR_OTB, _claim.GRPO, _claim.RLOO
@@ -254,43 +255,35 @@ def tables(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Held-out accuracy (top) and gradient norm (bottom, 5-step rolling mean, log scale) against
     steps, mean over seeds with the seeds' range as a band; the long runs left, the stress runs right."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), squeeze=False)
-    for col, stress in enumerate((False, True)):
-        for a in report.values():
-            if (a["lr_scale"] != 1) != stress:
-                continue
-            runs = list(a["runs"].values())
-            # held-out accuracy: the evaluation steps every run has
-            common = sorted(set.intersection(*(set(s for s, _ in r["curve"]) for r in runs)))
-            ys = np.array([[dict(r["curve"])[s] for s in common] for r in runs])
-            (line,) = axes[0][col].plot(common, ys.mean(0), marker=".", label=a["label"])
-            # grad norm: a 5-step rolling mean of each run over the steps every run has
-            n = min(len(r["grad_norm"]) for r in runs)
-            w = max(1, min(5, n))  # a --quick run has fewer than 5 steps
-            g = np.array([np.convolve(np.array(r["grad_norm"][:n]), np.ones(w) / w, mode="valid") for r in runs])
-            xs = np.array(runs[0]["steps"][w - 1 : n])
-            axes[1][col].plot(xs, g.mean(0), color=line.get_color(), label=a["label"])
-            for row, arr, x in ((0, ys, common), (1, g, xs)):
-                if len(runs) > 1:  # the seeds' range (a t-interval over 3 seeds leaves [0, 1] and crosses 0)
-                    axes[row][col].fill_between(x, arr.min(0), arr.max(0), color=line.get_color(), alpha=0.12)
-        kind = "stress (high learning rate)" if stress else "long runs"
-        axes[0][col].set_title(f"{kind}: held-out accuracy (greedy)")
-        axes[1][col].set_title(f"{kind}: gradient norm (5-step rolling mean)")
-        axes[1][col].set_yscale("log")
-        for row in (0, 1):
-            axes[row][col].set_xlabel("step")
-            axes[row][col].grid(alpha=0.3)
-            axes[row][col].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, 2, figsize=(13, 8.5)) as axes:
+        for col, stress in enumerate((False, True)):
+            for a in report.values():
+                if (a["lr_scale"] != 1) != stress:
+                    continue
+                runs = list(a["runs"].values())
+                # held-out accuracy: the evaluation steps every run has
+                common = sorted(set.intersection(*(set(s for s, _ in r["curve"]) for r in runs)))
+                ys = np.array([[dict(r["curve"])[s] for s in common] for r in runs])
+                (line,) = axes[0][col].plot(common, ys.mean(0), marker=".", label=a["label"])
+                # grad norm: a 5-step rolling mean of each run over the steps every run has
+                n = min(len(r["grad_norm"]) for r in runs)
+                w = max(1, min(5, n))  # a --quick run has fewer than 5 steps
+                g = np.array([np.convolve(np.array(r["grad_norm"][:n]), np.ones(w) / w, mode="valid") for r in runs])
+                xs = np.array(runs[0]["steps"][w - 1 : n])
+                axes[1][col].plot(xs, g.mean(0), color=line.get_color(), label=a["label"])
+                for row, arr, x in ((0, ys, common), (1, g, xs)):
+                    if len(runs) > 1:  # the seeds' range (a t-interval over 3 seeds leaves [0, 1] and crosses 0)
+                        axes[row][col].fill_between(x, arr.min(0), arr.max(0), color=line.get_color(), alpha=0.12)
+            kind = "stress (high learning rate)" if stress else "long runs"
+            axes[0][col].set_title(f"{kind}: held-out accuracy (greedy)")
+            axes[1][col].set_title(f"{kind}: gradient norm (5-step rolling mean)")
+            axes[1][col].set_yscale("log")
+            for row in (0, 1):
+                axes[row][col].set_xlabel("step")
+                axes[row][col].grid(alpha=0.3)
+                axes[row][col].legend(fontsize=7)
     return path
 
 
