@@ -428,12 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=Settings.steps)
     ap.add_argument("--eval-every", type=int, default=Settings.eval_every)
     ap.add_argument("--eval-size", type=int, default=Settings.eval_size)
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 steps, batch 2, 4 held-out problems")
-    ap.add_argument("--report-only", action="store_true", help="train nothing; tables and plot from the runs present")
-    ap.add_argument("--plot", default=None, help="where to write the plot (default <out>/accuracy_vs_tokens.png)")
-    ap.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override for every run"
-    )
+    add_sweep_options(ap, "accuracy_vs_tokens.png")
     args = ap.parse_args(argv)
 
     settings = QUICK if args.quick else Settings(args.steps, args.eval_every, args.eval_size)
@@ -466,6 +461,17 @@ def main(argv: list[str] | None = None) -> int:
         log(f"sweep: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s")
     report = summarize(out, args.tasks, arms, args.seeds)
     return write_report(out, report, tables, plot, Path(args.plot) if args.plot else out / "accuracy_vs_tokens.png")
+
+
+def add_sweep_options(ap: argparse.ArgumentParser, png: str) -> None:
+    """The options every sweep has (this script's and sweep_stability's): ``--quick``, ``--report-only``,
+    ``--plot`` (default ``<out>/<png>``) and ``--set KEY=VALUE`` (``args.overrides``)."""
+    ap.add_argument("--quick", action="store_true", help="smoke test: 2 steps, batch 2, 4 held-out problems")
+    ap.add_argument("--report-only", action="store_true", help="train nothing; tables and plot from the runs present")
+    ap.add_argument("--plot", default=None, help=f"where to write the plot (default <out>/{png})")
+    ap.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override for every run"
+    )
 
 
 def write_report(out: Path, report: dict, tables_fn, plot_fn, png: Path) -> int:

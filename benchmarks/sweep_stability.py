@@ -301,12 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-size", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4, help="prompts per step")
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 steps, batch 2, 4 held-out problems")
-    ap.add_argument("--report-only", action="store_true", help="train nothing; tables and plot from the runs present")
-    ap.add_argument("--plot", default=None, help="where to write the plot (default <out>/stability.png)")
-    ap.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override for every run"
-    )
+    _claim.add_sweep_options(ap, "stability.png")
     args = ap.parse_args(argv)
 
     every = arms(args.stress_lr_scale)

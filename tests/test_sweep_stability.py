@@ -66,6 +66,19 @@ def test_arms_are_the_fair_comparison():
     assert all(a.n == 4 for a in arms.values() if a.lr_scale != 1)
 
 
+def test_both_sweeps_take_the_common_options(tmp_path, capsys):
+    """--quick, --report-only, --plot and --set come from one place (sweep_otb_claim.add_sweep_options):
+    a report from a folder without finished runs says so, in both sweeps."""
+    import sweep_otb_claim as claim
+
+    for sweep in (claim, stab):
+        out = tmp_path / sweep.__name__
+        args = ["--out", str(out), "--quick", "--report-only", "--plot", str(tmp_path / "p.png"), "--set", "a=b"]
+        assert sweep.main(args) == 1
+        assert "no finished runs yet" in capsys.readouterr().err
+        assert out.is_dir() and not (tmp_path / "p.png").exists()
+
+
 @pytest.mark.slow
 def test_quick_sweep_runs_an_arm_writes_its_report_and_resumes(tmp_path, tiny_model_dir):
     out = tmp_path / "stab"
