@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
 
     from otb_tir import ConfigError
+    from otb_tir.defaults.policy import resolve_policy
     from otb_tir.trainer.config import load_config
 
     for name in args.estimators:
@@ -438,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 if before is not None:  # same warm start, same held-out set: evaluate "before" once per seed
                     extra.append("eval.before=false")
                 cfg = load_config(args.config, [*overrides, *extra])
+                resolve_policy(cfg)  # model.path, or the built-in warm-started tiny policy
                 log.info("seed %d: training with %s for %d steps -> %s", seed, name, cfg.trainer.total_steps, run_dir)
                 res = run_one(cfg, name, args.paired, args.measure_every)
                 if before is None:

@@ -294,6 +294,7 @@ class Session:
     def __init__(self, ckpt: Checkpoint, settings: Settings, out: Path, model_path: Path | None, quick: bool):
         from otb_tir.builders import build_tools, resolve_device, seed_everything
         from otb_tir.configs import CONFIG_DIR
+        from otb_tir.defaults.policy import resolve_policy
         from otb_tir.trainer.config import load_config
         from otb_tir.trainer.distributed import DistInfo
         from otb_tir.trainer.parts import build_parts, trainer_settings
@@ -313,6 +314,7 @@ class Session:
             *([f"model.path={model_path}"] if model_path is not None else []),
         ]
         self.cfg = cfg = load_config(CONFIG_DIR / "tir_math_cpu.yaml", overrides)
+        resolve_policy(cfg)  # model.path, or the built-in warm-started tiny policy
         seed_everything(settings.seed)
         self.tools = build_tools(cfg)
         parts = build_parts(cfg, self.tools, DistInfo(), resolve_device(cfg.trainer.device))

@@ -537,11 +537,11 @@ def resolve_model(model_path: str | None) -> Path:
         if not (p / "config.json").is_file():
             raise SystemExit(f"--model-path {p} is not a Hugging Face model folder (no config.json)")
         return p
-    from otb_tir.builders import policy_path
     from otb_tir.configs import CONFIG_DIR
+    from otb_tir.defaults.policy import resolve_policy
     from otb_tir.trainer.config import load_config
 
-    return policy_path(load_config(CONFIG_DIR / "tir_math_cpu.yaml", ["data.task=arith"]))
+    return resolve_policy(load_config(CONFIG_DIR / "tir_math_cpu.yaml", ["data.task=arith"]))
 
 
 def evaluate(model_dir: Path, s: Settings, out: Path, name: str) -> dict[str, Any]:

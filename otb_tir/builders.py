@@ -1,7 +1,8 @@
 """What a run assembles from its config, shared by the local trainer, the ``torchrun`` trainer, the
 evaluation and the verl launcher; none of them owns it (recipes wire them):
 
-* :func:`policy_path`: the policy folder (``model.path``, or the built-in warm-started tiny policy);
+* :func:`policy_path`: the policy folder (``model.path``, which the entry points set to the built-in
+  warm-started tiny policy when the user gives none: :func:`otb_tir.defaults.policy.resolve_policy`);
 * :func:`build_tools`: the tool set (``multi_turn``), by :func:`tools.build_tool_set`;
 * :func:`episode_config`: agent_env's episode settings from the ``rollout``, ``multi_turn`` and
   ``reward`` sections (:meth:`agent_env.EpisodeConfig.from_sections`, the one translation);
@@ -61,6 +62,11 @@ def resolve_device(name: str) -> Any:
     return torch.device(name)
 
 
+#: The Qwen-style chat template (tool calls and tool results) the project ships with its tiny policy
+#: (``otb_tir.defaults.tiny.CHAT_TEMPLATE_PATH``, named here by path: the defaults sit above the builders).
+SHIPPED_CHAT_TEMPLATE = Path(__file__).resolve().parent / "defaults" / "chat_template.jinja"
+
+
 def load_data_files(key: str, files: Any) -> list[dict[str, Any]]:
     """The rows of the verl-format parquet ``files`` given by config key ``key``; a file that is
     missing, unreadable or not in verl's format is a :class:`ConfigError` naming the key, the file
@@ -90,12 +96,10 @@ def check_tokenizer(path: Path) -> Any:
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
     if not getattr(tok, "chat_template", None):
-        from otb_tir.defaults.tiny import CHAT_TEMPLATE_PATH
-
         raise ConfigError(
             f"the tokenizer of {path} has no chat template, and tool calls are rendered through one: "
             "save the model's own (with tool support) into the folder, or the Qwen-style one this project "
-            f"ships ({CHAT_TEMPLATE_PATH}): tok.chat_template = open(that file).read(); tok.save_pretrained(folder)"
+            f"ships ({SHIPPED_CHAT_TEMPLATE}): tok.chat_template = open(that file).read(); tok.save_pretrained(folder)"
         )
     return tok
 
@@ -142,22 +146,18 @@ def held_out(cfg: Any, problems: int | None = None) -> dict[str, Any]:
 
 
 def policy_path(cfg: Any) -> Path:
-    """``model.path`` (a local Hugging Face model folder), or the built-in tiny policy after its
-    (cached) SFT warm start for the run's built-in task (``data.task``)."""
-    if cfg.model.path:
-        path = Path(cfg.model.path).expanduser().resolve()
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
-        return path
-    from otb_tir.defaults.warm_start import task_warm_start
-
-    m = cfg.model
-    warm = task(cfg).warm_start
-    return Path(
-        task_warm_start(
-            warm, steps=m.warm_start_steps, copy_steps=m.warm_start_copy_steps, shipped=m.warm_start_shipped
+    """``model.path``, a local Hugging Face model folder. An empty one is resolved at the entry points
+    (otb-tir-train, otb-tir-eval, the verl launch) into the built-in warm-started tiny policy by
+    :func:`otb_tir.defaults.policy.resolve_policy`; here it is a :class:`ConfigError` saying so."""
+    if not cfg.model.path:
+        raise ConfigError(
+            "model.path is not set: give a local Hugging Face model folder (--model), or resolve the built-in "
+            "tiny policy first with otb_tir.defaults.policy.resolve_policy(cfg), as otb-tir-train and otb-tir-eval do"
         )
-    )
+    path = Path(cfg.model.path).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={path} is not a local Hugging Face model folder (no config.json)")
+    return path
 
 
 def episode_config(cfg: Any, **overrides: Any) -> Any:

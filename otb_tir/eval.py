@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
+        from otb_tir.defaults.policy import resolve_policy
+
+        resolve_policy(cfg)  # model.path, or the built-in tiny policy after its (cached) warm start
         report = evaluate(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

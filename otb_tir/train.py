@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         from otb_tir.builders import check_inputs
 
         check_inputs(cfg)  # the user's data and model, before anything is loaded or written
+        from otb_tir.defaults.policy import resolve_policy
+
+        resolve_policy(cfg)  # model.path, or the built-in tiny policy after its (cached) warm start
         if cfg.trainer.name == "verl":
             from otb_tir.verl.launch import VerlRunError, run_verl
 

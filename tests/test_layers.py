@@ -77,12 +77,8 @@ def test_each_layer_imports_only_the_layers_below_it_and_verl_stays_in_its_plugi
 
 
 #: Packages whose modules never import their ancestor packages' ``__init__`` (otb_tir and tools still do:
-#: ``otb_tir.ConfigError``, ``tools.ToolError``), and the modules not moved yet, with why.
+#: ``otb_tir.ConfigError``, ``tools.ToolError``).
 NO_ARROWS_UP = ("agent_env",)
-ARROWS_UP_PENDING = {
-    "agent_env.math_task.data": "its code is in the shipped warm start's cache key (BUILD_MODULES): the import "
-    "moves to agent_env.errors when the warm start is next reshipped (python -m otb_tir.defaults.reship)",
-}
 
 
 def test_no_module_imports_its_own_package_init():
@@ -93,7 +89,7 @@ def test_no_module_imports_its_own_package_init():
     raw, _ = _graph()
     up = []
     for mod, names in sorted(raw.items()):
-        if mod.split(".")[0] not in NO_ARROWS_UP or mod in ARROWS_UP_PENDING:
+        if mod.split(".")[0] not in NO_ARROWS_UP:
             continue
         for name in sorted(names):
             while name and name not in mods:
@@ -163,12 +159,6 @@ def test_only_tests_put_folders_on_sys_path():
     assert not edits, "sys.path edited outside tests:\n" + "\n".join(edits)
 
 
-#: Imports between otb_tir's parts not moved yet, with why (importer part, imported part).
-PART_ARROWS_PENDING = {
-    ("otb_tir.builders", "otb_tir.defaults"): "resolving model.path runs the warm start (issue 60: being moved)",
-}
-
-
 def test_otb_tirs_parts_import_in_one_direction():
     """Inside ``otb_tir``, its parts (each subpackage, each top-level module) import one another without a
     loop: a part that imports one above it points up, even where no two modules form a cycle
@@ -185,9 +175,8 @@ def test_otb_tirs_parts_import_in_one_direction():
         for name in names:
             a, b = part(mod), part(name)
             if mod.startswith("otb_tir.") and name.startswith("otb_tir.") and a != b:
-                if (a, b) not in PART_ARROWS_PENDING:
-                    parts.setdefault(a, set()).add(b)
-                    why.setdefault((a, b), []).append(f"{mod} → {name}")
+                parts.setdefault(a, set()).add(b)
+                why.setdefault((a, b), []).append(f"{mod} → {name}")
     cycles = _cycles(parts)
     described = [
         " ↔ ".join(c) + ": " + "; ".join(x for a in c for b in sorted(parts[a] & set(c)) for x in why[(a, b)])

@@ -32,7 +32,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from agent_env import EnvError  # the shipped warm start keys this file: see tests/test_layers.py
+from agent_env.errors import EnvError
 from agent_env.math_task.chains import (
     CHAIN_DATA_SOURCE,
     CHAIN_GENERATORS,

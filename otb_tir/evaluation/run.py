@@ -71,7 +71,7 @@ def prepare(cfg: DictConfig) -> Prepared:
         )
     tools = build_tools(cfg)
     try:
-        path = policy_path(cfg)  # model.path, or the built-in warm-started tiny policy (cached)
+        path = policy_path(cfg)  # model.path (otb-tir-eval resolves the built-in policy: otb_tir.defaults.policy)
         tokenizer = check_tokenizer(path)
         try:  # the episode's own checks (chat template renders, eos, tool schemas) before any episode
             AgentEnv(tokenizer, tools=tools, config=episode_config(cfg))

@@ -158,15 +158,14 @@ def build_parts(
     """
     from agent_env import AgentEnv
     from agent_env.engines.hf import HFEngine
-    from otb_tir.trainer.distributed import broadcast_object, fsdp_wrap, full_state_dict
+    from otb_tir.trainer.distributed import fsdp_wrap, full_state_dict
 
     shard = info.distributed if shard is None else shard
     path = None
     if policy is None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = policy_path(cfg) if info.rank == 0 else None
-        path = Path(broadcast_object(str(path) if path else None, info.world_size))  # rank 0 builds the warm start
+        path = policy_path(cfg)  # resolved at the entry point (otb_tir.defaults.policy), on every rank
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     else:

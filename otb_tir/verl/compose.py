@@ -199,7 +199,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     require_verl()
     _check_supported(cfg)
     # The user's verl overrides are checked first (hydra composes verl's config with them), before
-    # the data files and the warm-started model are prepared.
+    # the data files are prepared. model.path is resolved by the caller (prepare_verl).
     user = user_overrides(cfg, overrides)
     parsed = parse_overrides(user)
     compose_base(user)  # hydra checks every override against verl's config (unknown keys, bad syntax)

@@ -82,6 +82,9 @@ def prepare_verl(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, An
             "verl.dry_run=true trainer.device=cuda prints the sglang command for a GPU machine"
         )
     _check_tools(cfg)
+    from otb_tir.defaults.policy import resolve_policy
+
+    resolve_policy(cfg)  # model.path, or the built-in tiny policy after its (cached) warm start
     vcfg = compose_verl_config(cfg, overrides, cpu=device == "cpu")
     env: dict[str, str] = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true")}
     if cfg.verl.allow_untested_version:
