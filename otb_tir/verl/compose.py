@@ -50,6 +50,7 @@ from otb_tir import ConfigError
 from otb_tir.builders import policy_path
 from otb_tir.trainer.config import truncated_sampling
 from otb_tir.verl import require_verl
+from otb_tir.verl.compose_inputs import agent_loop_entries, data_files, reward_section
 from otb_tir.verl.compose_overrides import (
     apply_user_overrides,
     check_override_kinds,
@@ -62,7 +63,6 @@ from otb_tir.verl.compose_overrides import (
 from otb_tir.verl.hooks import OTB_ESTIMATORS  # the one spelling (hooks: imported in verl's workers too)
 from otb_tir.verl.plugin import USER_ESTIMATOR_ENV, verl_estimator_name
 from otb_tir.verl.reward_fn import REWARD_ENV
-from tools import DEFAULT_TOOLS
 from tools.plugins import absolute_path_name
 
 __all__ = [
@@ -84,7 +84,6 @@ ASYNC_MODES = ("colocate_async", "separate_async")
 #: weight versions a prompt's samples may span, counting the one it was queued at) and its strategy
 ASYNC_MAX_OFF_POLICY = 2
 ASYNC_OFF_POLICY_STRATEGY = "wait"
-AGENT_LOOP_TARGET = "otb_tir.verl.agent_loop.OTBToolAgentLoop"
 DEFAULT_PROMPT_LENGTH = 1024
 # trainer.loggers → verl's trainer.logger; jsonl and tensorboard are written by our hooks in the TaskRunner
 # (otb_tir.verl.hooks: the local trainer's MetricsLogger, so both trainers write the same files)
@@ -121,74 +120,6 @@ def _check_supported(cfg: DictConfig) -> None:
         )
 
 
-def _data_files(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
-    from agent_env.math_task.data import AGENT_NAME, write_parquet
-    from otb_tir.builders import task_split
-
-    def split(name: str, n: int, seed: int) -> list[dict[str, Any]]:
-        items = task_split(cfg, name, n, seed=seed)
-        for it in items:
-            it.setdefault("agent_name", AGENT_NAME)  # our agent loop runs a user task's items too
-        return items
-
-    train = [str(Path(p).expanduser().resolve()) for p in cfg.data.train_files]
-    val = [str(Path(p).expanduser().resolve()) for p in cfg.data.val_files]
-    for p in train + val:
-        if not Path(p).is_file():
-            raise ConfigError(f"data file not found: {p}")
-    if not train:
-        path = out / "data" / "train.parquet"
-        write_parquet(split("train", cfg.data.train_size, cfg.trainer.seed), path)
-        train = [str(path)]
-    if not val:
-        n = min(cfg.data.val_size, cfg.eval.size) if cfg.eval.size else cfg.data.val_size
-        path = out / "data" / "test.parquet"
-        write_parquet(split("test", n, 0), path)  # the held-out set does not move with the seed
-        val = [str(path)]
-    return train, val
-
-
-def _reward_section(cfg: DictConfig) -> dict[str, Any]:
-    """The reward section with its file paths absolute (verl's workers run in other folders)."""
-    reward = OmegaConf.to_container(cfg.reward, resolve=True)
-    crf = reward["custom_reward_function"]
-    if crf.get("path") and crf["path"].endswith(".py"):
-        crf["path"] = str(Path(crf["path"]).expanduser().resolve())
-    reward["per_data_source"] = {k: absolute_path_name(v) for k, v in reward["per_data_source"].items()}
-    if reward.get("name"):
-        reward["name"] = absolute_path_name(reward["name"])
-    return reward
-
-
-def _agent_loop_entries(cfg: DictConfig) -> list[dict[str, Any]]:
-    from otb_tir.builders import task
-
-    mt = cfg.multi_turn
-    names = mt.tools
-    mcp_servers = mt.get("mcp_servers")
-    if names is None and not mt.tool_config_path and not mcp_servers:
-        names = task(cfg).tools or DEFAULT_TOOLS  # the task's tools, else the default set
-    if names is not None:
-        otb_tools = [absolute_path_name(n) for n in names]
-    else:  # build_tool_set's "not given": [] → only the YAML's tools; None → every MCP server's tools too
-        otb_tools = None if mcp_servers else []
-    kwargs = {
-        "_target_": AGENT_LOOP_TARGET,
-        "otb_tools": otb_tools,
-        "otb_format": absolute_path_name(mt.format),
-        "otb_task": absolute_path_name(cfg.data.task),
-        "tool_config": OmegaConf.to_container(mt.tool_config, resolve=True),
-        "tool_config_path": str(Path(mt.tool_config_path).expanduser().resolve()) if mt.tool_config_path else None,
-        # the same mcpServers file: each verl worker process starts its own client sessions (tools.mcp)
-        "otb_mcp_servers": str(Path(mcp_servers).expanduser().resolve()) if mcp_servers else None,
-        "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn),
-        "tool_timeout": float(mt.tool_timeout),
-        "system_prompt": None,
-        "reward": _reward_section(cfg),
-    }
-    return [{"name": "otb_tir_agent", **kwargs}, {"name": "tool_agent", **kwargs}]
-
-
 def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: bool | None = None) -> DictConfig:
     """verl's PPO trainer config for our recipe ``cfg`` (see the module docstring).
 
@@ -207,10 +138,10 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     check_override_kinds(v, parsed)
     out = Path(cfg.trainer.output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    train_files, val_files = _data_files(cfg, out)
+    train_files, val_files = data_files(cfg, out)
     model_path = str(policy_path(cfg))
     agent_loop_yaml = out / "agent_loop.yaml"
-    OmegaConf.save(OmegaConf.create(_agent_loop_entries(cfg)), agent_loop_yaml)
+    OmegaConf.save(OmegaConf.create(agent_loop_entries(cfg)), agent_loop_yaml)
 
     a, r, o = cfg.actor, cfg.rollout, cfg.actor.optim
     # verl splits each mini-batch (and each log-prob batch) into micro-batches of exactly this many
@@ -340,7 +271,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         env_vars["OTB_TIR_LOGGERS"] = "jsonl,tensorboard" if "tensorboard" in cfg.trainer.loggers else "jsonl"
         env_vars["OTB_TIR_RESUME"] = "1" if cfg.trainer.resume else "0"  # a resumed run appends to metrics.jsonl
         # the run's reward in verl's reward workers too (otb_tir/verl/reward_fn.py)
-        env_vars[REWARD_ENV] = json.dumps({"reward": _reward_section(cfg), "task": absolute_path_name(cfg.data.task)})
+        env_vars[REWARD_ENV] = json.dumps({"reward": reward_section(cfg), "task": absolute_path_name(cfg.data.task)})
         est = cfg.algorithm.adv_estimator
         if est not in VERL_BUILTIN_ESTIMATORS:  # a user's estimator, registered in verl's registry by the plugin
             env_vars[USER_ESTIMATOR_ENV] = f"{verl_estimator_name(est)}={absolute_path_name(est)}"
