@@ -30,7 +30,8 @@ import time
 import torch
 
 from otb_tir.defaults.shapes import build_model
-from otb_tir.token_stats import PackedRows, pack_rows, prompt_sharing_mask_dtype, token_stats_for_causal_lm
+from otb_tir.token_stats import token_stats_for_causal_lm
+from otb_tir.token_stats_packing import PackedRows, pack_rows, prompt_sharing_mask_dtype
 from otb_tir.trainer.actor import trim_padding
 
 

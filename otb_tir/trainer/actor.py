@@ -15,14 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from otb_tir.token_stats import (
-    PackedRows,
-    TokenStats,
-    chunk_at_most,
-    pack_rows,
-    prompt_sharing_mask_dtype,
-    token_stats_for_causal_lm,
-)
+from otb_tir.token_stats import TokenStats, chunk_at_most, token_stats_for_causal_lm
+from otb_tir.token_stats_packing import PackedRows, pack_rows, prompt_sharing_mask_dtype
 from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import Advantages, ppo_policy_loss
 

@@ -1,4 +1,4 @@
-"""Packed rows through the actor's forward (``token_stats.pack_rows``, ``actor.pack_rows``): the same
+"""Packed rows through the actor's forward (``token_stats_packing.pack_rows``, ``actor.pack_rows``): the same
 statistics and gradients as the padded forward, on real tiny transformers models, with the packing
 checked by transformers' own packed-sequence masking (and a model that breaks it refused)."""
 
@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otb_tir.token_stats import pack_rows, token_stats_for_causal_lm
+from otb_tir.token_stats import token_stats_for_causal_lm
+from otb_tir.token_stats_packing import pack_rows
 from otb_tir.trainer import actor
 from tests.support.small_models import small_decoder
 
@@ -186,7 +187,7 @@ def test_a_batch_of_groups_goes_through_with_each_prompt_once(kind, attn):
     """4 prompts × 4 samples (the built-in run's shape): the forward runs each prompt once per packed row
     (fewer columns than packing each sample whole), the same statistics and gradients as padded rows,
     with sdpa's boolean mask and eager attention's additive one."""
-    from otb_tir.token_stats import prompt_sharing_mask_dtype
+    from otb_tir.token_stats_packing import prompt_sharing_mask_dtype
 
     groups = [(30, [9, 4, 12, 0]), (25, [7, 7, 3, 11]), (41, [2, 10, 6, 5]), (18, [12, 1, 8, 9])]
     ids, mask, pos, r = _group_rows(groups, seed=3)
