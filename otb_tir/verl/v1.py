@@ -32,7 +32,8 @@ What the mixin adds to verl's step (everything else is verl's code):
   does not fetch Σπ²), and how long the trainer waited for rollouts and the rollouts for the trainer.
 * **For the recipe** (``OTB_TIR_OUTPUT_DIR`` set by :func:`otb_tir.verl.launch.run_verl`):
   ``progress.json`` for the watchdog and the local trainer's metric files, as
-  :mod:`otb_tir.verl.hooks` does for the legacy trainer.
+  :mod:`otb_tir.verl.hooks` does for the legacy trainer (:mod:`otb_tir.verl.v1_record`, with the
+  per-step batch figures).
 
 OTB with ``algorithm.rollout_correction.bypass_mode=true`` is refused at start: bypass mode skips
 the old-log-prob pass, the only pass that yields Σπ².
@@ -43,13 +44,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import os
 import sys
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from otb_tir.verl.hooks import OTB_ESTIMATORS
@@ -61,6 +59,7 @@ from otb_tir.verl.v1_metrics import (
     prob_diff_by_lag,
     staleness_metrics,
 )
+from otb_tir.verl.v1_record import RecipeRun, batch_figures
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +135,7 @@ class OTBTrainerMixin:
         self._otb_adv_metrics: dict[str, float] = {}
         self._otb_clock: dict[str, float] = {}
         self._otb_in_loop = False
-        self._otb_run = _RecipeRun.from_env()
+        self._otb_run = RecipeRun.from_env()
         super().__init__(config)  # type: ignore[call-arg]
         logger.info(
             "otb_tir V1 trainer %s over verl's %s (Σπ² in the old-log-prob pass: %s)",
@@ -371,89 +370,11 @@ class OTBTrainerMixin:
         return out
 
     def _otb_batch_metrics(self, batch: Any, grad_norm: Any, global_steps: int) -> dict[str, float]:
-        """Variance proxies (verl's function, given Σπ²), rewards, tool use, advantages and the
-        rollout engine's probabilities against the actor's per staleness lag."""
-        import transfer_queue as tq
-        from verl.protocol import DataProto
-        from verl.trainer.ppo.metric_utils import compute_variance_proxy_metrics
-
-        from otb_tir.verl.hooks import batch_metrics
-
-        keep = np.array([not t.get("is_padding", False) for t in batch.tags], dtype=bool)
-        fields = ["response_mask", "advantages", "old_log_probs", "rm_scores", "extra_fields"]
-        if self._otb_spi2:
-            fields.append(SPI2_FIELD)
-        if self._otb_rollout_log_probs:
-            fields.append("rollout_log_probs")
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        lengths = data["response_mask"].offsets().diff()
-        extra_fields = data.pop("extra_fields").tolist() if "extra_fields" in data.keys() else None
-        padded = data.to_padded_tensor()
-        tensors = {k: (padded[k].float() if padded[k].is_floating_point() else padded[k]) for k in padded.keys()}
-        sync: dict[str, float] = {}
-        if "rollout_log_probs" in tensors:  # per staleness lag: did the rollout engine serve the actor's weights?
-            rollout_lp = tensors.pop("rollout_log_probs")
-            sync = prob_diff_by_lag(
-                list(batch.tags), global_steps, tensors["old_log_probs"], rollout_lp, tensors["response_mask"]
-            )
-        if SPI2_FIELD in tensors:
-            tensors["sum_pi_squared"] = tensors.pop(SPI2_FIELD)
-        tensors["token_level_scores"] = tensors.pop("rm_scores")
-        width = tensors["response_mask"].shape[-1]
-        tensors["attention_mask"] = lengths_mask(lengths, width).long()
-        tensors["responses"] = torch.zeros_like(tensors["attention_mask"])
-        non_tensor: dict[str, np.ndarray] = {}
-        infos = [((e or {}).get("reward_extra_info") or {}) for e in (extra_fields or [])]
-        if infos and all(infos):
-            for key in infos[0]:
-                non_tensor[key] = np.array([i.get(key, math.nan) for i in infos], dtype=float)
-        dp = DataProto.from_dict(tensors=tensors, non_tensors=non_tensor or None)
-        if not keep.all() and keep.any():
-            dp = dp.select_idxs(keep)
-        out = batch_metrics(dp)
-        out.update(compute_variance_proxy_metrics(batch=dp, gradient_norm=grad_norm))
-        out.update(sync)
-        return out
-
-
-# --------------------------------------------------------------------------- the recipe's files
-class _RecipeRun:
-    """``progress.json`` and the metric files when the recipe launched the run (``OTB_TIR_OUTPUT_DIR``)."""
-
-    def __init__(self, out: str, loggers: list[str], resume: bool) -> None:
-        from pathlib import Path
-
-        from otb_tir.trainer.logging import MetricsLogger
-        from otb_tir.verl.hooks import Progress
-
-        self.progress = Progress(Path(out) / "progress.json")
-        self.progress.write("init")
-        self.sink = MetricsLogger(
-            Path(out), loggers=sorted({"jsonl", *loggers} - {"console"}), plot_every=1, resume=resume
+        """The step's figures from its rows in TransferQueue (:func:`otb_tir.verl.v1_record.batch_figures`)."""
+        spi2_field = SPI2_FIELD if self._otb_spi2 else None
+        return batch_figures(
+            batch, grad_norm, global_steps, spi2_field=spi2_field, rollout_log_probs=self._otb_rollout_log_probs
         )
-        self._rewind = resume  # the first row of a resumed run decides what the killed run's rows keep
-
-    def log(self, metrics: dict, step: int, *, before_fit: bool = False, provisional: bool = False) -> None:
-        """One row of ``metrics.jsonl`` (and TensorBoard, the curves). A resumed run restarts at its
-        checkpoint's step k: its first row drops the killed run's rows past k (steps it re-does; in
-        TensorBoard too), and the validation verl runs before resuming the loop, at step k, is not
-        logged again when step k already has its row (every step once; verl logs it a second time).
-        ``provisional``: a step's row logged before its checkpoint, replaced by the full one
-        (:meth:`MetricsLogger.log`)."""
-        if self._rewind:
-            self._rewind = False
-            self.sink.truncate(step if before_fit else step - 1)
-            if before_fit and any(h["step"] == step for h in self.sink.history):
-                return
-        self.sink.log(metrics, step=step, provisional=provisional)
-
-    @classmethod
-    def from_env(cls) -> "_RecipeRun | None":
-        out = os.environ.get("OTB_TIR_OUTPUT_DIR")
-        if not out:
-            return None
-        loggers = [x for x in os.environ.get("OTB_TIR_LOGGERS", "jsonl,tensorboard").split(",") if x]
-        return cls(out, loggers, resume=os.environ.get("OTB_TIR_RESUME") == "1")
 
 
 # --------------------------------------------------------------------------- registration

@@ -353,26 +353,26 @@ def test_the_recipe_files_hold_every_step_once_across_kills_and_resumes(tmp_path
     validation verl repeats at step k before its loop is not logged twice."""
     import json as _json
 
-    from otb_tir.verl.v1 import _RecipeRun
+    from otb_tir.verl.v1_record import RecipeRun
 
     def steps():
         rows = [_json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         return [(r["step"], r.get("kind")) for r in rows]
 
-    run = _RecipeRun(str(tmp_path), ["jsonl"], resume=False)
+    run = RecipeRun(str(tmp_path), ["jsonl"], resume=False)
     run.log({"kind": 0.0}, 0, before_fit=True)  # held-out before
     for step in (1, 2, 3):
         run.log({"kind": 1.0}, step, provisional=True)  # logged before the checkpoint
         run.log({"kind": 2.0}, step)  # the full row
     assert steps() == [(0, 0.0), (1, 2.0), (2, 2.0), (3, 2.0)]
     # killed after checkpoint 2 (step 3 had been logged): resumed at 3, verl validates at 2 first
-    run = _RecipeRun(str(tmp_path), ["jsonl"], resume=True)
+    run = RecipeRun(str(tmp_path), ["jsonl"], resume=True)
     run.log({"kind": 0.0}, 2, before_fit=True)
     run.log({"kind": 2.0}, 3)
     run.log({"kind": 2.0}, 4)
     assert steps() == [(0, 0.0), (1, 2.0), (2, 2.0), (3, 2.0), (4, 2.0)]
     # killed between checkpoint 4 and step 4's full row: only the early row exists; no validation first
-    run = _RecipeRun(str(tmp_path), ["jsonl"], resume=True)
+    run = RecipeRun(str(tmp_path), ["jsonl"], resume=True)
     run.log({"kind": 2.0}, 5)
     assert [s for s, _ in steps()] == [0, 1, 2, 3, 4, 5]
 
@@ -384,7 +384,7 @@ def test_the_row_before_a_checkpoint_is_off_verls_timers_and_moe_counts_and_in_t
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from verl.trainer.ppo.metric_utils import RolloutMoELoadBalanceMetricsAccumulator
 
-    from otb_tir.verl.v1 import _RecipeRun
+    from otb_tir.verl.v1_record import RecipeRun
 
     routed = torch.zeros(2, 3, 1, 2, dtype=torch.long)  # [batch, seq, layers, top-k]
     once = RolloutMoELoadBalanceMetricsAccumulator()
@@ -407,7 +407,7 @@ def test_the_row_before_a_checkpoint_is_off_verls_timers_and_moe_counts_and_in_t
     batch = _Meta(["a", "b"])
     batch.tags = [{"min_global_steps": 0, "max_global_steps": 0}] * 2
     t = object.__new__(Trainer)
-    t._otb_run = _RecipeRun(str(tmp_path), ["jsonl", "tensorboard"], resume=False)
+    t._otb_run = RecipeRun(str(tmp_path), ["jsonl", "tensorboard"], resume=False)
     t._otb_rollout_log_probs = t._otb_spi2 = False
     t._otb_batch_metrics = lambda *a: {}  # reads TransferQueue: not what this test is about
     t._rollout_moe_lb_metrics_accumulator = RolloutMoELoadBalanceMetricsAccumulator()
