@@ -17,30 +17,26 @@ import torch.distributed as dist
 
 from otb_tir.token_stats import TokenStats, chunk_at_most, token_stats_for_causal_lm
 from otb_tir.token_stats_packing import PackedRows, pack_rows, prompt_sharing_mask_dtype
+from otb_tir.trainer.config import ActorConfig
 from otb_tir.trainer.distributed import TokenStatsModule
 from otb_tir.trainer.ppo import Advantages, ppo_policy_loss
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ActorSettings:
-    """The actor's knobs, named as :class:`~otb_tir.trainer.config.ActorConfig` (``actor.*``); built
-    from the config by :func:`otb_tir.trainer.parts.actor_settings`."""
+@dataclass
+class ActorSettings(ActorConfig):
+    """The actor's knobs: the config's own ``actor`` section (:class:`~otb_tir.trainer.config.ActorConfig`,
+    every field inherited, none copied) and the two values of the run it does not hold, built from the
+    config by :func:`otb_tir.trainer.parts.actor_settings`."""
 
     temperature: float = 1.0  # the rollout's sampling temperature (log-probs of the sampled distribution)
-    ppo_micro_batch_size: int = 16
-    fused_token_stats: bool = True
-    token_stats_chunk: int = 512
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 3.0
-    grad_clip: float = 1.0
-    kl_loss_coef: float = 0.0  # 0 = no KL loss (the config's kl_loss_coef applies when actor.use_kl_loss)
-    entropy_coeff: float = 0.0
-    reuse_update_forward: bool = True  # on-policy steps: old stats from the update's forward (one_forward_applies)
-    pack_rows: bool = True  # rows' tokens packed through the forward, not padded (checked once per model)
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on devices that support it
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL loss's weight: ``kl_loss_coef`` when ``use_kl_loss``, else 0 (no reference is scored)."""
+        return self.kl_loss_coef if self.use_kl_loss else 0.0
 
 
 def _world() -> int:
@@ -237,7 +233,7 @@ class _Sums:
             clip_ratio_high=s.clip_ratio_high,
             clip_ratio_c=s.clip_ratio_c,
             ref_log_probs=None if ref_log_probs is None else ref_log_probs[mrows].to(device),
-            kl_coef=s.kl_loss_coef,
+            kl_coef=s.kl_coef,
             entropy=st.entropy.float(),
             entropy_coef=s.entropy_coeff,
             num_tokens=num_tokens / world,  # FSDP averages gradients over ranks: × world undoes it

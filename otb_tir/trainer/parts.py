@@ -16,11 +16,12 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from omegaconf import OmegaConf
 
 from otb_tir.advantage import get_estimator
 from otb_tir.builders import episode_config, policy_path, task_split
@@ -28,7 +29,7 @@ from otb_tir.trainer.actor import ActorSettings
 from otb_tir.trainer.data import DataCursor
 from otb_tir.trainer.distributed import DistInfo
 from otb_tir.trainer.logging import MetricsLogger
-from otb_tir.trainer.settings import FilterSettings, TrainerSettings
+from otb_tir.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +91,11 @@ def build_optimizer(cfg, model):
 
 def actor_settings(cfg, autocast_dtype: torch.dtype | None = None) -> ActorSettings:
     """The actor's settings from ``actor`` (and the rollout temperature its log-probs are taken at)."""
-    a, temp = cfg.actor, cfg.rollout.temperature
+    temp = cfg.rollout.temperature
+    section = OmegaConf.to_object(cfg.actor)  # the typed ActorConfig, every key as the user gave it
     return ActorSettings(
+        **{f.name: getattr(section, f.name) for f in fields(section)},
         temperature=max(temp, 1e-6) if temp > 0 else 1.0,
-        ppo_micro_batch_size=a.ppo_micro_batch_size,
-        fused_token_stats=a.fused_token_stats,
-        token_stats_chunk=a.token_stats_chunk,
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        grad_clip=a.grad_clip,
-        kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
-        entropy_coeff=a.entropy_coeff,
-        reuse_update_forward=a.reuse_update_forward,
-        pack_rows=a.pack_rows,
         autocast_dtype=autocast_dtype,
     )
 
@@ -130,9 +122,7 @@ def trainer_settings(cfg, autocast_dtype: torch.dtype | None = None) -> TrainerS
         rollout_is=bool(t.one_step_off_policy if alg.rollout_is is None else alg.rollout_is),
         one_step_off_policy=t.one_step_off_policy,
         rollout_is_threshold=alg.rollout_is_threshold,
-        filters=FilterSettings(
-            void_turns=f.void_turns, overlong=f.overlong, all_equal_reward_groups=f.all_equal_reward_groups
-        ),
+        filters=OmegaConf.to_object(f),  # the typed FilterConfig
         actor=actor_settings(cfg, autocast_dtype),
     )
 

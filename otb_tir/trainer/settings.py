@@ -10,15 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from otb_tir.trainer.actor import ActorSettings
-
-
-@dataclass(frozen=True)
-class FilterSettings:
-    """``algorithm.filter``: trajectories whose loss mask is zeroed (whole rows)."""
-
-    void_turns: bool = False  # a turn with no tool call and no answer (SimpleTIR)
-    overlong: bool = False  # cut by the response budget
-    all_equal_reward_groups: bool = False  # every sample of the prompt got the same reward (no signal)
+from otb_tir.trainer.config import FilterConfig
 
 
 @dataclass(frozen=True)
@@ -44,5 +36,5 @@ class TrainerSettings:
     # the next step's rollout runs beside this step's update, with the weights before it: samples one
     # update old (off-policy; rollout_is corrects for it), steps shorter by up to the smaller of the two
     one_step_off_policy: bool = False
-    filters: FilterSettings = field(default_factory=FilterSettings)
+    filters: FilterConfig = field(default_factory=FilterConfig)  # algorithm.filter, the config's own record
     actor: ActorSettings = field(default_factory=ActorSettings)

@@ -31,9 +31,10 @@ from otb_tir.metrics import (
 )
 from otb_tir.token_stats import TokenStats
 from otb_tir.trainer.actor import ActorSettings, compute_old_stats, ppo_update
+from otb_tir.trainer.config import FilterConfig
 from otb_tir.trainer.distributed import gather_objects, gather_tensors
 from otb_tir.trainer.ppo import Advantages, truncated_is_weights
-from otb_tir.trainer.settings import FilterSettings, TrainerSettings
+from otb_tir.trainer.settings import TrainerSettings
 
 __all__ = ["Advantages", "advantages", "filter_loss_mask", "score", "step_metrics", "update"]
 
@@ -43,7 +44,7 @@ def score(model, batch: RolloutBatch, s: ActorSettings) -> TokenStats:
     return compute_old_stats(model, batch.tensors, s)
 
 
-def filter_loss_mask(batch: RolloutBatch, f: FilterSettings) -> tuple[torch.Tensor, float]:
+def filter_loss_mask(batch: RolloutBatch, f: FilterConfig) -> tuple[torch.Tensor, float]:
     """The loss mask after the optional trajectory filters (void turns, overlong, flat groups), and
     the share of rows kept."""
     mask = batch["response_mask"].clone().float()

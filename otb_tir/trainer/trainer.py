@@ -167,7 +167,7 @@ class Trainer:
         overlap = s.one_step_off_policy and nxt < s.total_steps and not (s.eval_every and nxt % s.eval_every == 0)
         with timer("ref"):
             ref = None
-            if self.ref_model is not None and s.actor.kl_loss_coef > 0:
+            if self.ref_model is not None and s.actor.kl_coef > 0:
                 ref = score(self.ref_model, batch, s.actor).log_probs
         if overlap:
             (old, adv, actor_metrics), self._ahead, overlap_s = self._learn_beside_next_rollout(batch, ref, timer)

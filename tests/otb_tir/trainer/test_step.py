@@ -17,7 +17,8 @@ from agent_env.records import Prompt, Trajectory
 from agent_env.rollout import collate
 from otb_tir.advantage import get_estimator
 from otb_tir.trainer.actor import ActorSettings
-from otb_tir.trainer.settings import FilterSettings, TrainerSettings
+from otb_tir.trainer.config import FilterConfig
+from otb_tir.trainer.settings import TrainerSettings
 from otb_tir.trainer.step import advantages, score, update
 
 
@@ -113,7 +114,7 @@ def test_advantages_filter_rows_and_weigh_by_truncated_is():
     s = _settings(
         rollout_is=True,
         rollout_is_threshold=1.2,
-        filters=FilterSettings(overlong=True, all_equal_reward_groups=True),
+        filters=FilterConfig(overlong=True, all_equal_reward_groups=True),
     )
     got = advantages(batch, old, get_estimator("tir_optimal_token_baseline"), s)
     kept = torch.tensor([1, 0, 1, 1, 0, 0, 0, 0], dtype=torch.bool)  # row 1 overlong; group 1 all equal

@@ -18,10 +18,9 @@ import torch
 
 from agent_env.math_task.data import make_split
 from otb_tir.builders import build_tools
-from otb_tir.trainer.config import load_config
+from otb_tir.trainer.config import FilterConfig, load_config
 from otb_tir.trainer.distributed import DistInfo
 from otb_tir.trainer.parts import build_parts, trainer_settings
-from otb_tir.trainer.settings import FilterSettings
 from otb_tir.trainer.step import filter_loss_mask
 from otb_tir.trainer.trainer import Trainer
 
@@ -149,7 +148,7 @@ def _row_adv(res):
 def test_filters_mask_whole_trajectories(tmp_path, tiny_model_dir):
     tr = _trainer(tmp_path, tiny_model_dir)
     batch = tr._rollout(make_split("train", 2), 3, seed=1)
-    filters = FilterSettings(all_equal_reward_groups=True, overlong=True)
+    filters = FilterConfig(all_equal_reward_groups=True, overlong=True)
     for t in batch.trajectories[:3]:
         t.reward = 0.5  # first group: flat rewards
     mask, m = filter_loss_mask(batch, filters)
@@ -169,9 +168,9 @@ def test_void_turn_filter_masks_exactly_the_rows_with_a_void_turn(tmp_path, tiny
 
     tr = _trainer(tmp_path, tiny_model_dir)
     batch = tr._rollout(make_split("train", 4), 4, seed=3)
-    off = FilterSettings()
+    off = FilterConfig()
     on = trainer_settings(load_config(None, ["algorithm.filter.void_turns=true"])).filters
-    assert on == FilterSettings(void_turns=True)
+    assert on == FilterConfig(void_turns=True)
     base, m_off = filter_loss_mask(batch, off)
     assert torch.equal(base, batch["response_mask"].float()) and m_off == 1.0
     rng = random.Random(0)
