@@ -1,5 +1,6 @@
-"""The configs shipped with the package: ``tir_math_cpu.yaml`` (training's built-in CPU default)
-and ``eval_tool_use.yaml`` (the tool-use evaluation). ``--config NAME`` picks one by name."""
+"""The configs shipped with the package: ``tir_math_cpu.yaml`` (training's built-in CPU default),
+``tir_math_qwen3_8b_gpu.yaml`` (the seed's Qwen3-8B run on 8 GPUs with verl, docs/verl.md) and
+``eval_tool_use.yaml`` (the tool-use evaluation). ``--config NAME`` picks one by name."""
 
 from __future__ import annotations
 

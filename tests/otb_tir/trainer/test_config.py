@@ -124,7 +124,8 @@ def test_shipped_configs_are_valid():
     from otb_tir.configs import CONFIG_DIR
 
     paths = sorted(CONFIG_DIR.glob("*.yaml"))
-    assert {p.stem for p in paths} == {"tir_math_cpu", "eval_tool_use"}
+    # tir_math_qwen3_8b_gpu is also checked key by key against verl's config: tests/otb_tir/verl/test_seed_gpu_config.py
+    assert {p.stem for p in paths} == {"tir_math_cpu", "eval_tool_use", "tir_math_qwen3_8b_gpu"}
     for path in paths:
         if path.name.startswith("eval_"):  # evaluation configs have their own schema
             from otb_tir.evaluation import load_eval_config
