@@ -168,30 +168,44 @@ def solution_text(tokenizer: Any, completion_ids: Sequence[int], pattern: re.Pat
     return text
 
 
-def make_reward(tokenizer: Any):
+def make_reward(tokenizer: Any, name: str | None = None):
     """TRL reward function: the project's ``math`` reward (``agent_env.rewards.math_score``, the
     reward our episode applies to the arith task) on :func:`solution_text`. Its math-verify helper
     process starts here, as our episode starts its own when a rollout begins (so neither trainer
-    waits ~0.6 s for it inside a timed step)."""
-    from agent_env.math_task.verify import prewarm
-    from agent_env.rewards import math_score
-
+    waits ~0.6 s for it inside a timed step). ``name``: a reward by name instead, resolved as our
+    ``reward.name`` is (``agent_env.rewards.REWARDS``: ``file.py:fn`` ...), on the same text."""
     pattern = tool_block_pattern(tokenizer)
+    if name:
+        from agent_env.rewards import REWARDS
+
+        fn, prewarm = REWARDS.resolve(name), lambda: None
+    else:
+        from agent_env.math_task.verify import prewarm
+        from agent_env.rewards import math_score as fn
     prewarm()
 
     def arith_math_reward(prompts, completions, completion_ids, ground_truth, data_source, **_: Any) -> list[float]:
         prewarm()  # the calling thread's helper (no-op once it runs)
-        return [
-            float(math_score(ds, solution_text(tokenizer, ids, pattern), gt)["score"])
+        scores = [
+            fn(ds, solution_text(tokenizer, ids, pattern), gt)
             for ids, gt, ds in zip(completion_ids, ground_truth, data_source)
         ]
+        return [float(v["score"] if isinstance(v, dict) else v) for v in scores]
 
     return arith_math_reward
 
 
-def make_trl_tools(tokenizer: Any, tool_set: Any, max_tool_response_length: int, timeout: float, stats: dict):
+def make_trl_tools(
+    tokenizer: Any,
+    tool_set: Any,
+    max_tool_response_length: int,
+    timeout: float,
+    stats: dict,
+    names: Sequence[str] = ("python", "calculator"),
+):
     """Our ``python`` and ``calculator`` tools (built by ``tools.build_tool_set``: the sandbox and
-    the sympy calculator) as the typed, documented async functions TRL's ``tools=`` expects.
+    the sympy calculator), or those of them ``names`` lists, as the typed, documented async functions
+    TRL's ``tools=`` expects.
 
     Each call runs ``tool.invoke`` (our validation, timeout, error text) and cuts the result to
     ``max_tool_response_length`` tokens the way our episode does (middle, same marker); the time
@@ -201,7 +215,7 @@ def make_trl_tools(tokenizer: Any, tool_set: Any, max_tool_response_length: int,
 
     template = ChatTemplate(tokenizer)
     cfg = EpisodeConfig()
-    missing = {"python", "calculator"} - set(tool_set)
+    missing = set(names) - set(tool_set)
     if missing:
         raise ValueError(f"the tool set lacks {sorted(missing)}")
 
@@ -222,11 +236,12 @@ def make_trl_tools(tokenizer: Any, tool_set: Any, max_tool_response_length: int,
         return await run("calculator", {"expression": expression})
 
     # The docstrings TRL (transformers' get_json_schema) turns into the schema: our tools' own texts.
-    for fn, arg in ((python, "code"), (calculator, "expression")):
+    fns = [(fn, arg) for fn, arg in ((python, "code"), (calculator, "expression")) if fn.__name__ in names]
+    for fn, arg in fns:
         fs = tool_set[fn.__name__].schema()["function"]
         arg_doc = fs["parameters"]["properties"][arg].get("description", arg)
         fn.__doc__ = f"{fs['description']}\n\nArgs:\n    {arg}: {arg_doc}\n"
-    return [python, calculator]
+    return [fn for fn, _ in fns]
 
 
 # --------------------------------------------------------------------------- the TRL worker (a subprocess)
@@ -245,50 +260,12 @@ def _training_items(s: Settings, seed: int, model_path: Path) -> list[dict[str, 
     return [item for _ in range(s.steps) for item in cursor.next_batch()]
 
 
-def trl_worker(spec_path: Path) -> int:
-    """Train with TRL's GRPOTrainer as ``spec`` says; write ``<out>/trl_result.json`` and the model
-    folder ``<out>/final`` (the warm start's tokenizer files, so it evaluates like ours)."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    spec = json.loads(spec_path.read_text())
-    s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["settings"].items()})
-    seed, out, model_path = int(spec["seed"]), Path(spec["out"]), Path(spec["model_path"])
-    continuous_batching = spec.get("variant") == "trl_cb"
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
+def grpo_args(s: Settings, seed: int, out: Path, **overrides: Any) -> Any:
+    """TRL's ``GRPOConfig`` doing ``s``'s work as our trainer does it (the settings below, each with its
+    reason); ``overrides`` are further or other ``GRPOConfig`` fields (benchmarks/bench_scale.py's)."""
+    from trl import GRPOConfig
 
-    import asyncio
-
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.chat_template_utils import qwen3_schema
-
-    from tools import build_tool_set
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    # TRL knows the response formats of the chat templates it ships; ours is written for this project
-    # (add_response_schema raises "Unrecognized chat template"), so we set the schema by hand, TRL's
-    # documented route: the tiny model writes Qwen/hermes calls, <tool_call>{"name", "arguments"}</tool_call>.
-    tokenizer.response_schema = qwen3_schema
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    items = _training_items(s, seed, model_path)
-    dataset = Dataset.from_list(
-        [
-            {
-                "prompt": [dict(m) for m in it["prompt"]],
-                "ground_truth": str(it["reward_model"]["ground_truth"]),
-                "data_source": it["data_source"],
-            }
-            for it in items
-        ]
-    )
-    stats: dict[str, Any] = {}
-    tool_set = build_tool_set(None)
-    tool_fns = make_trl_tools(tokenizer, tool_set, s.max_tool_response_length, s.tool_timeout, stats)
-
-    args = GRPOConfig(
+    kwargs: dict[str, Any] = dict(
         output_dir=str(out / "trl"),
         learning_rate=s.lr,
         lr_scheduler_type="constant",
@@ -326,8 +303,59 @@ def trl_worker(spec_path: Path) -> int:
         disable_tqdm=True,
         log_completions=False,
         dataloader_num_workers=0,
-        use_transformers_continuous_batching=continuous_batching,
     )
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def trl_worker(spec_path: Path) -> int:
+    """Train with TRL's GRPOTrainer as ``spec`` says; write ``<out>/trl_result.json`` and the model
+    folder ``<out>/final`` (the warm start's tokenizer files, so it evaluates like ours). Besides the
+    settings, a spec may name its ``tools`` (default python, calculator), a ``reward`` by name
+    (:func:`make_reward`), ``grpo_args`` (:func:`grpo_args`' overrides) and ``save_model`` (default true)."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    spec = json.loads(spec_path.read_text())
+    s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["settings"].items()})
+    seed, out, model_path = int(spec["seed"]), Path(spec["out"]), Path(spec["model_path"])
+    continuous_batching = spec.get("variant") == "trl_cb"
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    import asyncio
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import qwen3_schema
+
+    from tools import build_tool_set
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # TRL knows the response formats of the chat templates it ships; ours is written for this project
+    # (add_response_schema raises "Unrecognized chat template"), so we set the schema by hand, TRL's
+    # documented route: the tiny model writes Qwen/hermes calls, <tool_call>{"name", "arguments"}</tool_call>.
+    tokenizer.response_schema = qwen3_schema
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    items = _training_items(s, seed, model_path)
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [dict(m) for m in it["prompt"]],
+                "ground_truth": str(it["reward_model"]["ground_truth"]),
+                "data_source": it["data_source"],
+            }
+            for it in items
+        ]
+    )
+    stats: dict[str, Any] = {}
+    names = spec.get("tools", ["python", "calculator"])
+    tool_set = build_tool_set(names)
+    tool_fns = make_trl_tools(tokenizer, tool_set, s.max_tool_response_length, s.tool_timeout, stats, names)
+
+    overrides = {"use_transformers_continuous_batching": continuous_batching, **spec.get("grpo_args", {})}
+    args = grpo_args(s, seed, out, **overrides)
 
     phases: list[dict[str, float]] = []
     current: dict[str, float] = {}
@@ -363,6 +391,7 @@ def trl_worker(spec_path: Path) -> int:
             mask = out_["completion_mask"]
             tool_mask = out_.get("tool_mask")
             current["completion_tokens"] = float(mask.sum())
+            current["prompt_tokens"] = float(out_["prompt_mask"].sum())
             if tool_mask is None:
                 current["policy_tokens"] = float(mask.sum())
                 current["tool_tokens_masked"] = 0.0
@@ -396,7 +425,7 @@ def trl_worker(spec_path: Path) -> int:
 
     trainer = TimedGRPO(
         model=model,
-        reward_funcs=make_reward(tokenizer),
+        reward_funcs=make_reward(tokenizer, spec.get("reward")),
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -410,10 +439,11 @@ def trl_worker(spec_path: Path) -> int:
     trainer.train()
     train_s = time.perf_counter() - t_train
     final = out / "final"
-    trainer.model.save_pretrained(final)
-    for name in TOKENIZER_FILES:  # the warm start's tokenizer and template: both trainers are evaluated alike
-        if (model_path / name).is_file():
-            shutil.copy2(model_path / name, final / name)
+    if spec.get("save_model", True):
+        trainer.model.save_pretrained(final)
+        for name in TOKENIZER_FILES:  # the warm start's tokenizer and template: both trainers are evaluated alike
+            if (model_path / name).is_file():
+                shutil.copy2(model_path / name, final / name)
     asyncio.run_coroutine_threadsafe(tool_set.close(), trainer.async_loop).result()
     ours = [it["prompt"][-1]["content"] for it in items]
     expected = [ours[i : i + s.prompts] for i in range(0, len(ours), s.prompts)]
@@ -578,16 +608,23 @@ def evaluate(model_dir: Path, s: Settings, out: Path, name: str) -> dict[str, An
 
 
 def run_ours(
-    s: Settings, seed: int, out: Path, model_path: Path, estimator: str, extra: Sequence[str] = ()
+    s: Settings,
+    seed: int,
+    out: Path,
+    model_path: Path,
+    estimator: str,
+    extra: Sequence[str] = (),
+    script: Path | None = None,
 ) -> dict[str, Any]:
-    """Our recipe's local trainer as a subprocess (:func:`ours_worker`); per-step figures from its
-    metrics.jsonl, the engine's counters from the worker."""
+    """Our recipe's local trainer as a subprocess (:func:`ours_worker`, run by ``script``'s
+    ``--ours-worker``: this file's by default); per-step figures from its metrics.jsonl, the engine's
+    counters from the worker."""
     if out.exists():
         shutil.rmtree(out)
     engine_stats = out.parent / f"{out.name}_engine.json"
     cmd = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        str(script or Path(__file__).resolve()),
         "--ours-worker",
         str(engine_stats),
         *recipe_overrides(s, seed, out, model_path, estimator),
@@ -621,7 +658,17 @@ def run_ours(
     return {**r, "steps": steps, "model_dir": str(out / "final"), "engine": engine}
 
 
-def run_trl(s: Settings, seed: int, out: Path, model_path: Path, variant: str = "trl") -> dict[str, Any]:
+def run_trl(
+    s: Settings,
+    seed: int,
+    out: Path,
+    model_path: Path,
+    variant: str = "trl",
+    script: Path | None = None,
+    spec_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """TRL as a subprocess: ``script``'s ``--trl-worker`` (this file's :func:`trl_worker` by default)
+    reads a spec of ``s``, the run and ``spec_extra``, and writes ``trl_result.json``."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -634,10 +681,11 @@ def run_trl(s: Settings, seed: int, out: Path, model_path: Path, variant: str = 
                 "out": str(out),
                 "model_path": str(model_path),
                 "variant": variant,
+                **(spec_extra or {}),
             }
         )
     )
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)]
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), "--trl-worker", str(spec)]
     r = run_child(cmd, out / "trl.log", s.timeout_s)
     res_path = out / "trl_result.json"
     if r["rc"] != 0 or not res_path.is_file():
