@@ -120,6 +120,21 @@ def _check_supported(cfg: DictConfig) -> None:
         )
 
 
+def _check_one_run_length(cfg: DictConfig, parsed: list) -> None:
+    """The run's length is given once: ``trainer.total_steps`` (> 0) or verl's own
+    ``trainer.total_training_steps`` / ``trainer.total_epochs`` as a verl override, never both (the
+    override would win without a word: ``--config tir_math_qwen3_8b_gpu trainer.total_steps=10``
+    would train the config's 15 epochs)."""
+    given = sorted({o.key_or_group for o in parsed} & {"trainer.total_training_steps", "trainer.total_epochs"})
+    if given and int(cfg.trainer.total_steps) > 0:
+        raise ConfigError(
+            f"trainer.total_steps={cfg.trainer.total_steps} and the verl override(s) {given} both set the "
+            "run's length: give one (trainer.total_steps=0 lets verl's keys decide; with --config "
+            "tir_math_qwen3_8b_gpu, which trains for verl.trainer.total_epochs, a shorter run is "
+            "verl.trainer.total_training_steps=N)"
+        )
+
+
 def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: bool | None = None) -> DictConfig:
     """verl's PPO trainer config for our recipe ``cfg`` (see the module docstring).
 
@@ -133,6 +148,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
     # the data files are prepared. model.path is resolved by the caller (prepare_verl).
     user = user_overrides(cfg, overrides)
     parsed = parse_overrides(user)
+    _check_one_run_length(cfg, parsed)
     compose_base(user)  # hydra checks every override against verl's config (unknown keys, bad syntax)
     v = compose_base([o.input_line for o in parsed if is_group_override(o)])
     check_override_kinds(v, parsed)

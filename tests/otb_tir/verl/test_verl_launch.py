@@ -517,3 +517,17 @@ def test_joining_an_existing_ray_cluster_drops_the_cpu_profiles_resource_counts(
     assert ray_init.address == "127.0.0.1:6390"
     assert "num_cpus" not in ray_init and "num_gpus" not in ray_init
     assert ray_init.runtime_env.env_vars["OTB_TIR_OUTPUT_DIR"] == str(tmp_path / "joined")
+
+
+def test_the_runs_length_is_given_once(tiny_model_dir, tmp_path):
+    """trainer.total_steps and a verl override of the run's length both given: an error, not a silent win."""
+    from otb_tir.verl.compose import compose_verl_config
+
+    with pytest.raises(
+        ConfigError, match=r"trainer.total_steps=7 and the verl override\(s\) \['trainer.total_epochs'\]"
+    ):
+        compose_verl_config(_cfg(tiny_model_dir, tmp_path / "a", "verl.trainer.total_epochs=2"))
+    v = compose_verl_config(
+        _cfg(tiny_model_dir, tmp_path / "b", "trainer.total_steps=0", "verl.trainer.total_training_steps=3")
+    )
+    assert v.trainer.total_training_steps == 3
