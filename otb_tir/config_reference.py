@@ -22,7 +22,8 @@ HEADER = """# Configuration reference
 
 Generated from the config dataclasses by `python scripts/gen_config_reference.py`; do not edit by hand.
 
-Every key is set in a YAML file (`--config FILE`, or the shipped `tir_math_cpu` / `eval_tool_use`)
+Every key is set in a YAML file (`--config FILE`, or a shipped one by name: `tir_math_cpu`, `eval_tool_use`,
+`tir_math_qwen3_8b_gpu` — the seed's Qwen3-8B run on 8 GPUs with verl, docs/verl.md)
 or on the command line as a dotted override (`rollout.n=4`, `actor.optim.lr=1e-4`,
 `multi_turn.tools=[python,lookup]`, `multi_turn.tool_config.python.timeout=5`). An unknown key, a
 value of the wrong type or outside its choices stops the run at start with the key's name and the
