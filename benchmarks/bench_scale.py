@@ -51,7 +51,9 @@ takes bench_peers' other rows of ours (``ours_grpo``: GRPO, TRL's estimator; ``o
 × n=4, R=128 tokens, micro-batch 8 — what fits Qwen3-0.6B in 24 GB for both trainers: parameters,
 gradients and AdamW's two moments in float32 are ~16 B/parameter (9.5 GB), TRL's [8, 128, 151,936]
 float32 logits ~0.6 GB a copy (a few copies live through its loss), activations of 8 rows of ~180 tokens
-over 28 layers a few GB. Expect ~2-3 min a step per trainer at 0.6B on a 2-core VM.
+over 28 layers a few GB: ~14 GB peak expected for ours, ~17 GB for TRL. Scaled from the 30m run
+(2026-12-07, quiet 2-core VM: ours 9.6 s a step, TRL 14.0 s), expect ~2-3 min a step at 0.6B, so
+~10 min per trainer with start-up (150m: ~2-3 min per trainer). Disk: 2.4 GB for the 0.6B folder.
 
 Writes ``<out>/results.json`` (default ``runs/bench_scale/``; resumable: a shape × trainer already there
 is not rerun unless ``--force``), prints the table and writes ``<out>/scale.png``.
@@ -139,9 +141,10 @@ def trl_spec(b: Batch, s: bp.Settings) -> dict[str, Any]:
     }
 
 
-def ours_worker(stats_path: Path, overrides: list[str]) -> int:
-    """bench_peers' worker of ours with no token ending a turn: the episode's ``stop_token_ids=[]``
-    (every turn ends on its token budget), added where the config becomes an episode config."""
+def no_stop_tokens() -> None:
+    """From now on in this process no token ends an assistant turn: the episode's ``stop_token_ids=[]``
+    (every turn ends on its token budget), added where a config becomes an episode config
+    (``EpisodeConfig.from_sections``, the one translation)."""
     from agent_env.episode_config import EpisodeConfig
 
     inner = EpisodeConfig.from_sections.__func__
@@ -150,6 +153,11 @@ def ours_worker(stats_path: Path, overrides: list[str]) -> int:
         return inner(cls, rollout, multi_turn, reward, **{"stop_token_ids": [], **kw})
 
     EpisodeConfig.from_sections = classmethod(from_sections)
+
+
+def ours_worker(stats_path: Path, overrides: list[str]) -> int:
+    """bench_peers' worker of ours, with :func:`no_stop_tokens`."""
+    no_stop_tokens()
     return bp.ours_worker(stats_path, overrides)
 
 
@@ -275,8 +283,10 @@ def growth(results: dict[str, Any]) -> list[str]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """Step seconds, peak RSS and each phase's seconds against parameters (log-log), one line per trainer."""
+    """Step seconds and peak RSS against parameters (log-log), one line per trainer, and the phases'
+    seconds of ours and TRL."""
     from figures import figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     trainers = sorted({r["trainer"] for r in results["runs"].values() if r.get("figures")})
     with figure(path, 1, 3, (16, 4.6)) as axes:
@@ -288,12 +298,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
             axes[0][0].plot(x, [r["figures"]["step_s"] for r in rs], style, marker="o", label=t)
             axes[0][1].plot(x, [r["figures"]["peak_rss_mb"] / GIB for r in rs], style, marker="o", label=t)
             for key, colour in (("generation", "C0"), ("old_log_prob", "C1"), ("update", "C2")):
+                if t not in ("ours", "trl"):  # the phases of the default row and TRL's only
+                    continue
                 ys = [r["phases"].get(key, math.nan) for r in rs]
                 if any(y > 0 for y in ys):
                     axes[0][2].plot(x, ys, style, color=colour, marker="o", label=f"{t} {key}")
         for ax, title in zip(axes[0], ("step seconds", "peak RSS GiB", "seconds per phase")):
             ax.set_xscale("log")
             ax.set_yscale("log")
+            for axis in (ax.xaxis, ax.yaxis):  # plain numbers, the minor ticks unlabelled
+                axis.set_major_formatter(ScalarFormatter())
+                axis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("parameters (M)")
             ax.set_title(title)
             ax.grid(True, which="both", alpha=0.3)

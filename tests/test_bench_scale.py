@@ -142,6 +142,24 @@ def test_trl_is_set_for_the_budgets_length_and_one_turn(tmp_path):
     assert (s.max_assistant_turns, s.max_tokens_per_turn) == (1, 128)
 
 
+def test_ours_ends_no_turn_on_a_token(monkeypatch, tiny_tokenizer):
+    """The worker's episode config, from the run's own config, has no stop token, so every turn runs to
+    its budget (the engine already ignores eos in the local trainer)."""
+    from agent_env.episode_config import EpisodeConfig
+    from agent_env.template import ChatTemplate
+    from otb_tir.builders import episode_config
+    from otb_tir.configs import CONFIG_DIR
+    from otb_tir.trainer.config import load_config
+
+    monkeypatch.setattr(EpisodeConfig, "from_sections", EpisodeConfig.from_sections)  # restored after the test
+    cfg = load_config(CONFIG_DIR / "tir_math_cpu.yaml", ["model.path=unused", *bs.ours_overrides(bs.BATCH)])
+    assert episode_config(cfg).stop_token_ids is None  # the tokenizer's eos ends a turn
+    bs.no_stop_tokens()
+    ep = episode_config(cfg)
+    assert ep.stop_token_ids == [] and ChatTemplate(tiny_tokenizer, stop_token_ids=ep.stop_token_ids).stop_ids == []
+    assert episode_config(cfg, temperature=0.0).temperature == 0.0  # other overrides still apply
+
+
 def _run(shape, trainer, params, step_s, rss_mb, generation, update, old=0.0):
     figures = {"step_s": step_s, "samples_per_s": 16 / step_s, "sampled_tokens_per_s": 2048 / step_s,
                "peak_rss_mb": rss_mb}  # fmt: skip
