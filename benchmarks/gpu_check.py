@@ -1,14 +1,21 @@
-"""GPU check: one TIR-OTB training step of a Qwen3-0.6B-shaped random model at 512-token responses.
+"""GPU check: the Qwen3-0.6B shape (random weights) through four training paths on one GPU, one table.
 
-    python benchmarks/gpu_check.py                 # needs a CUDA GPU; about 1.5 minutes on one H200
-    python benchmarks/gpu_check.py --response-length 4096   # long responses: the HF engine decodes ~90 ms a token
-    python benchmarks/gpu_check.py --cpu-smoke     # a tiny shape on CPU: proves every code path here
-    python benchmarks/gpu_check.py --no-fsdp       # the plain one-process actor instead of FSDP2
+    python benchmarks/gpu_check.py                 # needs a CUDA GPU; within 10 minutes (GPU_CHECK_TIMEOUT)
+    python benchmarks/gpu_check.py --legs local    # only some legs: local, verl_sync, verl_separate_async, sglang
+    python benchmarks/gpu_check.py --cpu-smoke     # tiny shape on CPU: the local leg runs, the others are composed
+    python benchmarks/gpu_check.py --no-fsdp       # the local leg's plain one-process actor instead of FSDP2
 
-The model is built locally from ``transformers.Qwen3Config`` (hidden 1024, 28 layers, 16 heads,
-8 KV heads, head dim 128, intermediate 3072, vocab 151936, tied embeddings: Qwen3-0.6B's shape)
-with random weights: nothing is downloaded. The tokenizer (only the chat template and the
-end-of-turn token matter) is the built-in tiny one from ``otb_tir.defaults.tiny``.
+The legs (``benchmarks/gpu_check_legs.py``: each a process of its own with its own timeout; a leg
+whose packages are not installed, or that needs a second GPU, is a ``skipped: ...`` row): the local
+trainer (below), ``trainer=verl`` with verl's V1 trainer in ``sync`` mode and vLLM, the same in
+``separate_async`` with verl's ``nccl`` checkpoint engine (two GPUs), and the local trainer with
+sglang. The table: status, wall seconds, the (last) step's seconds, tokens/s, peak GPU memory,
+weight-sync seconds.
+
+The local leg (``--leg local``): the model is built locally from ``transformers.Qwen3Config`` (hidden
+1024, 28 layers, 16 heads, 8 KV heads, head dim 128, intermediate 3072, vocab 151936, tied
+embeddings: Qwen3-0.6B's shape) with random weights: nothing is downloaded. The tokenizer (only the
+chat template and the end-of-turn token matter) is the built-in tiny one from ``otb_tir.defaults.tiny``.
 
 What runs is the local trainer's own step (:meth:`otb_tir.trainer.trainer.Trainer.train_step`):
 HF-engine rollout of multi-turn episodes (one assistant turn of up to ``--response-length``
@@ -34,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_check_commands import response_length, workload_overrides
+from gpu_check_legs import LEGS, run_legs
 
 from otb_tir.defaults.shapes import QWEN3_0_6B, TWO_LAYERS
 
@@ -46,6 +55,14 @@ SMOKE = {**QWEN3_0_6B, **TWO_LAYERS, "vocab_size": 4096, "max_position_embedding
 
 class GPUCheckError(RuntimeError):
     pass
+
+
+def require_gpu() -> None:
+    if not torch.cuda.is_available():
+        raise GPUCheckError(
+            "no CUDA GPU is visible (torch.cuda.is_available() is False, torch "
+            f"{torch.__version__}); run on a GPU machine, or use --cpu-smoke to check the code paths"
+        )
 
 
 def _token_hash_reward(text, ground_truth, traj) -> float:
@@ -155,15 +172,11 @@ def run_check(args) -> dict[str, Any]:
     if smoke:
         device = torch.device("cpu")
     else:
-        if not torch.cuda.is_available():
-            raise GPUCheckError(
-                "no CUDA GPU is visible (torch.cuda.is_available() is False, torch "
-                f"{torch.__version__}); run on a GPU machine, or use --cpu-smoke to check the code paths"
-            )
+        require_gpu()
         device = torch.device("cuda", 0)
         torch.backends.cuda.matmul.allow_tf32 = True
     shape = dict(SMOKE if smoke else QWEN3_0_6B)
-    r = args.response_length or (96 if smoke else 512)
+    r = response_length(args)
     n, prompts = args.n, args.prompts
     micro = args.micro_batch_size
     low = None if smoke else torch.bfloat16
@@ -192,23 +205,12 @@ def run_check(args) -> dict[str, Any]:
 
     out_dir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     overrides = [
-        f"data.train_batch_size={prompts}",
-        f"actor.ppo_mini_batch_size={prompts}",
-        f"rollout.n={n}",
-        f"rollout.response_length={r}",
-        f"rollout.max_tokens_per_turn={r}",
-        "multi_turn.max_assistant_turns=1",
-        "multi_turn.tools=[calculator]",
-        f"actor.ppo_micro_batch_size={micro}",
-        "actor.optim.lr=1e-6",
+        *workload_overrides(prompts, n, r, micro),  # the work every leg does
         f"rollout.max_batch_size={prompts * n}",
         "trainer.loggers=[]",
-        "trainer.save_every=0",
         f"trainer.output_dir={out_dir}",
         f"trainer.device={device.type}",
         f"model.dtype={'float32' if low is None else 'bfloat16'}",
-        "data.train_size=64",
-        "data.val_size=4",
         "eval.size=4",
     ]
     cfg = load_config(None, overrides)
@@ -340,28 +342,49 @@ def report(info: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (checks the code paths, no GPU needed)")
-    p.add_argument("--no-fsdp", action="store_true", help="plain actor (no FSDP2 wrapping)")
+    p.add_argument("--no-fsdp", action="store_true", help="the local leg's plain actor (no FSDP2 wrapping)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument(
         "--response-length", type=int, default=None, help="response tokens (default 512; 96 with --cpu-smoke)"
     )
     p.add_argument("--micro-batch-size", type=int, default=2, help="trajectories per actor forward/backward")
+    p.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)} (default all)")
+    p.add_argument(
+        "--leg-timeout", type=float, default=None, help="seconds for each leg (default its own; the budget caps it)"
+    )
+    p.add_argument("--leg", choices=["all", "local"], default="all", help="local: the local leg in this process")
+    p.add_argument("--work", default=None, help="the legs' model and run folders (default runs/gpu_check[_cpu_smoke]/)")
     p.add_argument("--out", default=None, help="JSON file for the figures (default runs/gpu_check[_cpu_smoke].json)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    suffix = "_cpu_smoke" if args.cpu_smoke else ""
+    out = Path(args.out or ROOT / "runs" / f"gpu_check{suffix}.json")
     try:
-        info = run_check(args)
+        if not args.cpu_smoke:
+            require_gpu()
+        if args.leg == "local":
+            info = run_check(args)
+            text = report(info)
+        else:
+            names = [x for x in args.legs.split(",") if x]
+            unknown = sorted(set(names) - set(LEGS))
+            if unknown or not names:
+                raise GPUCheckError(f"--legs {args.legs!r}: unknown {unknown}; choose from {', '.join(LEGS)}")
+            budget = float(os.environ.get("GPU_CHECK_TIMEOUT", "600")) - 30  # the rest: printing, writing
+            work = Path(args.work or ROOT / "runs" / f"gpu_check{suffix}")
+            info = run_legs(args, names, work, budget, SMOKE)
+            text = info["table"]
+            if info["local"]:
+                text += "\n\nthe local leg:\n" + info["local"]["report"]
     except GPUCheckError as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
-    text = report(info)
     print(text)
-    out = Path(args.out or ROOT / "runs" / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**info, "report": text}, indent=1, default=str))
     print(f"written: {out}")
-    return 0
+    return 1 if info.get("failed") else 0
 
 
 if __name__ == "__main__":

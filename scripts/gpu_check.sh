@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# One TIR-OTB training step of a Qwen3-0.6B-shaped random model at 512-token responses on one GPU
-# (HF engine rollout, FSDP2 actor, fused vs unfused Σπ² peak memory). About 1.5 minutes on an H200
-# (measured 2026-12-04, docs/results.md). --response-length 4096: the rollout alone takes ~6 min at the
-# measured ~90 ms a decode step; raise the timeout (GPU_CHECK_TIMEOUT, seconds, default 480).
-#   scripts/gpu_check.sh                 # the GPU check (fails clearly without a CUDA GPU)
-#   scripts/gpu_check.sh --cpu-smoke     # tiny shape on CPU: checks the code paths
-#   scripts/gpu_check.sh --no-fsdp ...   # any other flag goes to benchmarks/gpu_check.py
+# The GPU check: a Qwen3-0.6B-shaped random model through four training paths on one lent GPU, within
+# 10 minutes, one table (leg, status, wall s, step s, tokens/s, peak GPU memory, weight-sync s):
+#   local                the local trainer's step: HF engine rollout, FSDP2 actor, fused vs unfused Σπ² replays
+#   verl_sync            trainer=verl, verl's V1 trainer in sync mode, vLLM on the GPU (needs verl, ray, vllm)
+#   verl_separate_async  the same in separate_async with verl's nccl checkpoint engine (needs 2 GPUs)
+#   sglang               the local trainer with rollout.name=sglang on the GPU (needs sglang)
+# A leg that cannot run here is a "skipped: <why>" row. Each leg has its own timeout; all of them fit in
+# GPU_CHECK_TIMEOUT seconds (default 600). Details: docs/training.md, "GPU check".
+#   scripts/gpu_check.sh                    # the GPU check (fails clearly without a CUDA GPU)
+#   scripts/gpu_check.sh --legs local,sglang
+#   scripts/gpu_check.sh --cpu-smoke        # on CPU: the local leg on a tiny shape, the others composed, not run
+#   scripts/gpu_check.sh --no-fsdp ...      # any other flag goes to benchmarks/gpu_check.py
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-}"
@@ -24,4 +29,5 @@ if [[ $cpu_smoke == 0 ]]; then
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
 export TOKENIZERS_PARALLELISM=false
-exec timeout --signal=INT "${GPU_CHECK_TIMEOUT:-480}" "$PY" "$ROOT/benchmarks/gpu_check.py" "$@"
+export GPU_CHECK_TIMEOUT="${GPU_CHECK_TIMEOUT:-600}"  # the legs share it, less 30 s
+exec timeout --signal=INT "$GPU_CHECK_TIMEOUT" "$PY" "$ROOT/benchmarks/gpu_check.py" "$@"
