@@ -43,56 +43,48 @@ def workload_overrides(prompts: int, n: int, r: int, micro: int) -> list[str]:
 # ----------------------------------------------------------------------------- the legs' commands
 
 
-def verl_argv(mode: str, model: Path, out: Path, args: Any, timeout_s: float) -> list[str]:
-    """``otb-tir-train trainer=verl`` in verl's V1 ``mode`` with vLLM on one GPU for the trainer."""
-    r = response_length(args)
+def _train_argv(model: Path, out: Path, args: Any, steps: int, logger: str, leg: list[str]) -> list[str]:
+    """``python -m otb_tir.train`` on the saved model with the legs' shared work on the GPU, no held-out
+    evaluation, into ``out``; ``leg``: the leg's own overrides."""
     return [
-        sys.executable,
-        "-m",
-        "otb_tir.train",
-        "--model",
-        str(model),
-        "trainer=verl",
-        "rollout.name=vllm",
-        f"verl.trainer_mode={mode}",
-        *workload_overrides(args.prompts, args.n, r, args.micro_batch_size),
+        *(sys.executable, "-m", "otb_tir.train", "--model", str(model)),
+        *workload_overrides(args.prompts, args.n, response_length(args), args.micro_batch_size),
         "trainer.device=cuda",
-        "trainer.n_gpus_per_node=1",
-        "trainer.nnodes=1",
-        f"trainer.total_steps={VERL_STEPS}",
-        "trainer.loggers=[console]",
+        f"trainer.total_steps={steps}",
+        f"trainer.loggers=[{logger}]",
         "eval.before=false",
         "eval.after=false",
         f"trainer.output_dir={out}",
+        *leg,
+    ]
+
+
+def verl_argv(mode: str, model: Path, out: Path, args: Any, timeout_s: float) -> list[str]:
+    """``otb-tir-train trainer=verl`` in verl's V1 ``mode`` with vLLM on one GPU for the trainer."""
+    leg = [
+        "trainer=verl",
+        "rollout.name=vllm",
+        f"verl.trainer_mode={mode}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
         f"verl.actor_rollout_ref.rollout.gpu_memory_utilization={VLLM_GPU_MEMORY}",
         "verl.actor_rollout_ref.rollout.enforce_eager=true",
         f"verl.phase_timeout_s={int(timeout_s)}",
         *(["verl.dry_run=true"] if args.cpu_smoke else []),
     ]
+    return _train_argv(model, out, args, VERL_STEPS, "console", leg)
 
 
 def sglang_argv(model: Path, out: Path, args: Any) -> list[str]:
     """``otb-tir-train`` (the local trainer) serving the rollout with sglang on the GPU, CUDA graphs off."""
-    r = response_length(args)
-    return [
-        sys.executable,
-        "-m",
-        "otb_tir.train",
-        "--model",
-        str(model),
+    leg = [
         "rollout.name=sglang",
-        *workload_overrides(args.prompts, args.n, r, args.micro_batch_size),
-        "trainer.device=cuda",
         "model.dtype=bfloat16",
-        f"trainer.total_steps={SGLANG_STEPS}",
-        "trainer.loggers=[jsonl]",
-        "eval.before=false",
-        "eval.after=false",
-        f"trainer.output_dir={out}",
         "rollout.engine_kwargs.disable_cuda_graph=true",
         f"rollout.engine_kwargs.mem_fraction_static={SGLANG_GPU_MEMORY}",
         *(["--print-config"] if args.cpu_smoke else []),
     ]
+    return _train_argv(model, out, args, SGLANG_STEPS, "jsonl", leg)
 
 
 def local_argv(out_json: Path, args: Any) -> list[str]:
