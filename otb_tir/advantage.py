@@ -90,6 +90,13 @@ ESTIMATORS = Registry(
 )
 
 
+# Each built-in's advantages of a group depend on that group's rows only: a step may compute them a
+# micro-batch of whole groups at a time, inside the update's own forwards (actor.on_policy_micro_batches).
+# A registered estimator says the same with ``fn.group_local = True``; without it the two-pass update runs.
+for _fn in (optimal_token_baseline, tir_optimal_token_baseline, grpo, rloo):
+    _fn.group_local = True
+
+
 def register_estimator(name: str, *, replace: bool = False) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator: make an estimator available to :func:`get_estimator` (and to
     ``algorithm.adv_estimator``) under ``name``."""

@@ -318,58 +318,82 @@ def ppo_update(
     return sums.metrics(len(mini_batches), world, device)
 
 
-def one_forward_applies(s: ActorSettings, rows: int, rows_per_mini: int, epochs: int) -> bool:
-    """Whether a step can take its old statistics from the update's own forward
-    (:func:`begin_on_policy_update`): ``actor.reuse_update_forward`` is on, one epoch, one mini-batch
-    (one optimizer step) and one micro-batch holding all ``rows`` of this rank."""
-    return s.reuse_update_forward and epochs == 1 and rows_per_mini >= rows and s.ppo_micro_batch_size >= rows
+def on_policy_micro_batches(
+    s: ActorSettings, uid, rows: int, rows_per_mini: int, epochs: int, group_local: bool
+) -> list[torch.Tensor] | None:
+    """The micro-batches of a step that takes its old statistics from the update's own forward
+    (:func:`on_policy_update`), or None where it cannot.
+
+    It can when ``actor.reuse_update_forward`` is on, for one epoch and one mini-batch (one optimizer
+    step: exactly on-policy), and either one micro-batch holds all ``rows`` of this rank (any estimator),
+    or the estimator is group-local (``group_local``: each group's advantages depend on its own rows
+    only, as every built-in's; a registered one says so with ``fn.group_local = True``) and every
+    micro-batch holds whole groups of ``uid``: groups are packed in the order of their ids into
+    micro-batches of at most ``ppo_micro_batch_size`` rows; a group larger than that → None."""
+    if not (s.reuse_update_forward and epochs == 1 and rows_per_mini >= rows):
+        return None
+    if s.ppo_micro_batch_size >= rows:
+        return [torch.arange(rows)]
+    if not group_local:
+        return None
+    import numpy as np
+
+    _, inverse = np.unique(np.asarray(uid, dtype=object).astype(str), return_inverse=True)
+    groups = [torch.as_tensor(np.flatnonzero(inverse == g)) for g in range(int(inverse.max()) + 1)]
+    if max(len(g) for g in groups) > s.ppo_micro_batch_size:
+        return None
+    out: list[list[torch.Tensor]] = [[]]
+    for g in groups:  # consecutive groups while they fit (equal group sizes: the same count on every rank)
+        if sum(len(x) for x in out[-1]) + len(g) > s.ppo_micro_batch_size:
+            out.append([])
+        out[-1].append(g)
+    return [torch.cat(x) for x in out]
 
 
-@dataclass
-class OpenUpdate:
-    """The one-forward step after its forward (:func:`begin_on_policy_update`): the forward is done (its graph
-    held in ``stats``), its detached statistics are the old ones (``old``); the advantages computed on
-    them go into :func:`finish_on_policy_update`."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    stats: TokenStats  # with gradient
-    old: TokenStats  # detached, float32 on the CPU, × the response mask
-    sums: _Sums
-
-
-def begin_on_policy_update(model, optimizer, batch: dict, s: ActorSettings) -> OpenUpdate:
-    """One optimizer step over the whole batch in a single forward, exactly on-policy: the forward.
-
-    The forward's log-probs, entropy and Σπ² (detached, × the response mask) are the old ones, as
-    :func:`compute_old_stats` would give them; the caller computes the advantages on them, then
-    :func:`finish_on_policy_update` takes the loss, backward and optimizer step on the same forward.
-    The separate old-log-prob pass is skipped: its values are the same forward's (the ratio is
-    exactly 1, as TRL's with ``num_iterations=1``). Only for one epoch, one mini-batch and one
-    micro-batch (:func:`one_forward_applies`); under FSDP every rank calls it on its own rows.
-    """
+def on_policy_update(
+    model,
+    optimizer,
+    batch: dict,
+    s: ActorSettings,
+    micro_batches: list[torch.Tensor],
+    loss_mask: torch.Tensor,
+    estimate,
+    ref_log_probs: torch.Tensor | None = None,
+) -> tuple[TokenStats, torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """One optimizer step over the batch, exactly on-policy, one forward per micro-batch
+    (:func:`on_policy_micro_batches`): each micro-batch's forward gives its old statistics (its own
+    values, detached: the ratio is exactly 1, as TRL's with ``num_iterations=1``), ``estimate(rows,
+    old_rows)`` their advantages and IS weights (``[b, R]`` each, the weights or None), then the loss
+    on the same forward and its backward; the step after the last. The separate old-log-prob pass of
+    the two-pass update (:func:`compute_old_stats`, then :func:`ppo_update`) is skipped: the same old
+    statistics, advantages and update. ``loss_mask``: the whole batch's (the filters'), whose count is
+    the token-mean's denominator. Returns the old statistics, the advantages (× ``loss_mask``), the IS
+    weights (None without) and the update's metrics. Under FSDP every rank calls it on its own rows
+    (the same number of micro-batches)."""
     model.train()
+    world = _world()
+    device = next(model.parameters()).device
     sums = _Sums()
     optimizer.zero_grad(set_to_none=True)
     sync = getattr(model, "set_requires_gradient_sync", None)
-    if sync is not None:
-        sync(True)
-    st = _stats(model, batch, torch.arange(batch["responses"].shape[0]), s, grad=True, sums=sums)
     mask = batch["response_mask"].float()
-    old = TokenStats(*(t.detach().float().cpu() * mask for t in st))
-    return OpenUpdate(model, optimizer, st, old, sums)
-
-
-def finish_on_policy_update(
-    open_: OpenUpdate, adv: Advantages, s: ActorSettings, ref_log_probs: torch.Tensor | None = None
-) -> dict[str, float]:
-    """The second half of the one-forward step: the loss of ``adv`` on the held forward, backward,
-    and the optimizer step."""
-    world = _world()
-    model = open_.model
-    device = next(model.parameters()).device
-    rows = torch.arange(adv.loss_mask.shape[0])
-    num_tokens = _global_tokens(adv.loss_mask, world, device)
-    open_.sums.micro_backward(open_.stats, open_.old, adv, rows, s, ref_log_probs, num_tokens, world, device)
-    open_.sums.optimizer_step(model, open_.optimizer, s)
-    return open_.sums.metrics(1, world, device)
+    old = TokenStats(*(torch.zeros_like(mask) for _ in range(3)))
+    adv_all, is_all = torch.zeros_like(mask), None
+    num_tokens = _global_tokens(loss_mask, world, device)
+    for j, rows in enumerate(micro_batches):
+        if sync is not None:
+            sync(j == len(micro_batches) - 1)
+        st = _stats(model, batch, rows, s, grad=True, sums=sums)
+        mine = TokenStats(*(t.detach().float().cpu() * mask[rows] for t in st))
+        for into, got in zip(old, mine):
+            into[rows] = got
+        a, is_w = estimate(rows, mine)
+        adv_all[rows] = a.float() * loss_mask[rows]
+        if is_w is not None:
+            is_all = torch.ones_like(mask) if is_all is None else is_all
+            is_all[rows] = is_w.float()
+        adv = Advantages(adv_all, loss_mask, is_all)
+        sums.micro_backward(st, old, adv, rows, s, ref_log_probs, num_tokens, world, device)
+        del st
+    sums.optimizer_step(model, optimizer, s)
+    return old, adv_all, is_all, sums.metrics(1, world, device)

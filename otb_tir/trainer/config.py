@@ -118,8 +118,9 @@ class ActorConfig:
     entropy_coeff: float = 0.0  # entropy bonus weight
     fused_token_stats: bool = True  # Σπ² / log-probs from hidden states, never the [T, V] logits
     token_stats_chunk: int = 512  # tokens per chunk of log-probs / entropy / Σπ², at most ([chunk, V] fp32 ≤ 64 MiB)
-    # local trainer: when a step is exactly on-policy (ppo_epochs 1, one mini-batch, a rank's rows in one
-    # micro-batch), take the old log-probs and Σπ² from the update's own forward instead of a second pass
+    # local trainer: when a step is exactly on-policy (ppo_epochs 1, one mini-batch) and each micro-batch
+    # holds all of a rank's rows or whole groups (a group-local estimator: every built-in), take the old
+    # log-probs and Σπ² from the update's own forwards instead of a second pass
     reuse_update_forward: bool = True
     # local trainer: the rows' tokens go through the actor's forward packed into as few rows as fit (no
     # padding), not each padded to the longest, a group's shared prompt once (sdpa or eager attention);

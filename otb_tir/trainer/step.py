@@ -6,9 +6,9 @@
       ─► advantages(batch, old, estimator, ...)     Advantages: A_t, loss mask, IS weights
       ─► update(model, optimizer, batch, old, adv)  the update's metrics
 
-On an exactly on-policy step (:func:`~otb_tir.trainer.actor.one_forward_applies`) the old statistics
-come from the update's own forward: :func:`~otb_tir.trainer.actor.begin_on_policy_update` gives them,
-``advantages`` runs on them, :func:`~otb_tir.trainer.actor.finish_on_policy_update` takes the step.
+On an exactly on-policy step (:func:`~otb_tir.trainer.actor.on_policy_micro_batches`) the old
+statistics come from the update's own forwards: :func:`~otb_tir.trainer.actor.on_policy_update` runs
+each micro-batch's forward, :func:`estimate` on its rows (whole groups), its loss and backward.
 The trainer (:mod:`otb_tir.trainer.trainer`) drives rollout → these → weight sync → :func:`step_metrics`;
 none of them calls back into it.
 """
@@ -36,7 +36,7 @@ from otb_tir.trainer.distributed import gather_objects, gather_tensors
 from otb_tir.trainer.ppo import Advantages, truncated_is_weights
 from otb_tir.trainer.settings import TrainerSettings
 
-__all__ = ["Advantages", "advantages", "filter_loss_mask", "score", "step_metrics", "update"]
+__all__ = ["Advantages", "advantages", "estimate", "filter_loss_mask", "score", "step_metrics", "update"]
 
 
 def score(model, batch: RolloutBatch, s: ActorSettings) -> TokenStats:
@@ -66,24 +66,37 @@ def filter_loss_mask(batch: RolloutBatch, f: FilterConfig) -> tuple[torch.Tensor
     return mask, float(keep.float().mean())
 
 
-def advantages(batch: RolloutBatch, old: TokenStats, estimator: Any, s: TrainerSettings) -> Advantages:
+def estimate(
+    batch: RolloutBatch, old: TokenStats, estimator: Any, s: TrainerSettings, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The estimator's advantages on the old statistics (the reward sits on each row's last policy
-    token, placed by ``collate``), the truncated rollout IS weights when ``algorithm.rollout_is``, and
-    the loss mask after the filters (advantages × it)."""
+    token, placed by ``collate``) and the truncated rollout IS weights when ``algorithm.rollout_is``
+    (else None), ``[b, R]`` each, before the filters. ``rows``: only those rows (``old`` holds theirs:
+    whole groups, for a group-local estimator); all by default."""
     mask = batch["response_mask"].float()
+    rewards, uid, rollout_lp = batch["token_level_rewards"], batch["uid"], batch["rollout_log_probs"]
+    if rows is not None:
+        mask, rewards, rollout_lp = mask[rows], rewards[rows], rollout_lp[rows]
+        uid = np.asarray(uid, dtype=object)[rows.numpy()]
     is_weights = None
     if s.rollout_is:
-        is_weights = truncated_is_weights(old.log_probs, batch["rollout_log_probs"], mask, s.rollout_is_threshold)
+        is_weights = truncated_is_weights(old.log_probs, rollout_lp, mask, s.rollout_is_threshold)
     adv, _returns = estimator(
-        token_level_rewards=batch["token_level_rewards"],
+        token_level_rewards=rewards,
         response_mask=mask,
-        index=batch["uid"],
+        index=uid,
         old_log_probs=old.log_probs,
         sum_pi_squared=old.sum_pi_squared,
         rollout_is_weights=is_weights,
         handle_zero_tail=s.handle_zero_tail,
         norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo,
     )
+    return adv, is_weights
+
+
+def advantages(batch: RolloutBatch, old: TokenStats, estimator: Any, s: TrainerSettings) -> Advantages:
+    """:func:`estimate` on the whole batch, and the loss mask after the filters (advantages × it)."""
+    adv, is_weights = estimate(batch, old, estimator, s)
     loss_mask, kept = filter_loss_mask(batch, s.filters)
     return Advantages(adv.float() * loss_mask, loss_mask, is_weights, kept)
 

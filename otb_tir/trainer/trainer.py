@@ -30,7 +30,7 @@ from agent_env.rollout import run_sync
 from otb_tir import ConfigError
 from otb_tir.metrics import trajectory_metrics
 from otb_tir.token_stats import TokenStats
-from otb_tir.trainer.actor import begin_on_policy_update, finish_on_policy_update, one_forward_applies
+from otb_tir.trainer.actor import on_policy_micro_batches, on_policy_update
 from otb_tir.trainer.checkpoint import (
     load_distributed_state,
     load_latest,
@@ -43,7 +43,7 @@ from otb_tir.trainer.distributed import gather_objects, shard_items
 from otb_tir.trainer.parts import Parts
 from otb_tir.trainer.ppo import Advantages
 from otb_tir.trainer.settings import TrainerSettings
-from otb_tir.trainer.step import advantages, score, step_metrics, update
+from otb_tir.trainer.step import advantages, estimate, filter_loss_mask, score, step_metrics, update
 from otb_tir.trainer.timing import AFTER_ROW_PHASES, STEP_PHASES, PhaseTimer, rollout_phases
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class Trainer:
             metrics = step_metrics(batch, old, adv, actor_metrics, timer.seconds, s, world=self.world, lr=lr_used)
         metrics["timing/metrics_s"] = timer.seconds["timing/metrics_s"]
         metrics["timing/step_s"] = timer.elapsed()
+        metrics.update(timer.memory)  # per phase: the process's peak resident set so far, and now
         # CPU seconds of this process's threads over the step (tool sandboxes are other processes): over
         # step_s, how many cores the step kept busy
         metrics["perf/process_cpu_s"] = time.process_time() - cpu0
@@ -213,16 +214,27 @@ class Trainer:
         the update's own forward (begin → advantages → finish)."""
         s = self.settings
         rows = batch["responses"].shape[0]
-        one_forward = one_forward_applies(s.actor, rows, s.ppo_mini_batch_size * s.n // self.world, s.ppo_epochs)
+        group_local = bool(getattr(self.estimator, "group_local", False))
+        micro = on_policy_micro_batches(
+            s.actor, batch["uid"], rows, s.ppo_mini_batch_size * s.n // self.world, s.ppo_epochs, group_local
+        )
+        one_forward = micro is not None
         if one_forward:
+            loss_mask, kept = filter_loss_mask(batch, s.filters)
+
+            def estimate_rows(rows_: torch.Tensor, old_rows: TokenStats):
+                with timer("advantage"):
+                    return estimate(batch, old_rows, self.estimator, s, rows_)
+
             with timer("update"):
-                pending = begin_on_policy_update(self.model, self.optimizer, batch.tensors, s.actor)
-            with timer("advantage"):
-                adv = advantages(batch, pending.old, self.estimator, s)
-            with timer("update"):
-                metrics = finish_on_policy_update(pending, adv, s.actor, ref)
-            old = pending.old
+                old, a, is_w, metrics = on_policy_update(
+                    self.model, self.optimizer, batch.tensors, s.actor, micro, loss_mask, estimate_rows, ref
+                )
+            # the estimator ran inside the update's timer: its seconds are advantage_s's only
+            timer.seconds["timing/update_s"] -= timer.seconds.get("timing/advantage_s", 0.0)
+            adv = Advantages(a, loss_mask, is_w, kept)
             timer.seconds["timing/old_log_prob_s"] = 0.0  # no separate pass (the key stays, for readers)
+            metrics["actor/one_forward_micro_batches"] = float(len(micro))
         else:
             with timer("old_log_prob"):  # log-prob, entropy and Σπ², one pass
                 old = score(self.model, batch, s.actor)

@@ -199,17 +199,19 @@ def test_loss_terms_do_not_depend_on_the_micro_batch_size(tiny_model_factory):
     torch.testing.assert_close(out[1][1], out[4][1], rtol=0, atol=1e-6)
 
 
-def test_one_forward_update_equals_the_two_pass_update(tiny_model_factory):
-    """begin_on_policy_update → advantages → finish_on_policy_update (old statistics from the update's
-    own forward) against the oracle, the two passes it replaces: compute_old_stats, the TIR-OTB
-    advantages on them, then ppo_update on one mini-batch. The same old log-probs, Σπ² and
-    advantages, the same update and metrics."""
+@pytest.mark.parametrize("micro", [6, 3, 4])
+def test_one_forward_update_equals_the_two_pass_update(tiny_model_factory, micro):
+    """on_policy_update (old statistics from the update's own forwards, the advantages of each
+    micro-batch's whole groups computed on its forward) against the oracle, the two passes it
+    replaces: compute_old_stats, the TIR-OTB advantages of the whole batch on them, then ppo_update
+    on one mini-batch. Micro-batches of 6 rows (all), 3 (one group each) and 4 (one group each: two
+    groups of 3 do not fit): the same old log-probs, Σπ² and advantages, the same update and metrics."""
     from otb_tir.advantage import get_estimator
     from otb_tir.trainer.actor import (
         ActorSettings,
-        begin_on_policy_update,
         compute_old_stats,
-        finish_on_policy_update,
+        on_policy_micro_batches,
+        on_policy_update,
         ppo_update,
     )
     from otb_tir.trainer.ppo import Advantages
@@ -228,39 +230,40 @@ def test_one_forward_update_equals_the_two_pass_update(tiny_model_factory):
         "response_mask": mask,
         "token_level_rewards": rewards,
     }
-    uid = ["a", "a", "a", "b", "b", "b"]
+    uid = np.array(["b", "a", "b", "a", "a", "b"], dtype=object)  # groups interleaved, as rows may be
     estimator = get_estimator("tir_optimal_token_baseline")
     calls = []
 
-    def advantages(old):
-        calls.append([x is not None for x in old])
+    def estimate(rows, old):
+        calls.append(sorted(set(uid[rows.numpy()])))
         adv, _ = estimator(
-            token_level_rewards=batch["token_level_rewards"],
-            response_mask=mask,
-            index=uid,
+            token_level_rewards=rewards[rows],
+            response_mask=mask[rows],
+            index=uid[rows.numpy()],
             old_log_probs=old.log_probs,
             sum_pi_squared=old.sum_pi_squared,
         )
-        return Advantages(adv.float() * mask, mask)
+        return adv, None
 
-    s = ActorSettings(ppo_micro_batch_size=B, clip_ratio_c=3.0)
+    s = ActorSettings(ppo_micro_batch_size=micro, clip_ratio_c=3.0)
+    micro_batches = on_policy_micro_batches(s, uid, B, B, 1, group_local=estimator.group_local)
+    assert [sorted(set(uid[m.numpy()])) for m in micro_batches] == ([["a", "b"]] if micro == 6 else [["a"], ["b"]])
     runs = {}
     for way in ("two_pass", "one_forward"):
         model = tiny_model_factory()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if way == "two_pass":
             old = compute_old_stats(model, batch, s)
-            adv = advantages(old)
-            m = ppo_update(model, opt, batch, old, adv, [torch.arange(B)], s)
+            a, _ = estimate(torch.arange(B), old)
+            adv = a.float() * mask
+            m = ppo_update(model, opt, batch, old, Advantages(adv, mask), [torch.arange(B)], s)
         else:
-            pending = begin_on_policy_update(model, opt, batch, s)
-            old = pending.old
-            adv = advantages(old)
-            m = finish_on_policy_update(pending, adv, s)
+            calls.clear()
+            old, adv, is_w, m = on_policy_update(model, opt, batch, s, micro_batches, mask, estimate)
+            assert calls == [sorted(set(uid[x.numpy()])) for x in micro_batches] and is_w is None
         t = {"old_log_probs": old.log_probs, "sum_pi_squared": old.sum_pi_squared, "entropy": old.entropy}
-        t["advantages"] = adv.advantages
+        t["advantages"] = adv
         runs[way] = (t, m, torch.cat([p.detach().flatten() for p in model.parameters()]))
-    assert calls == [[True, True, True]] * 2  # the estimator saw the old stats
     (t2, m2, w2), (t1, m1, w1) = runs["two_pass"], runs["one_forward"]
     for key in ("old_log_probs", "sum_pi_squared", "entropy", "advantages"):
         torch.testing.assert_close(t1[key], t2[key], rtol=0, atol=1e-6, msg=key)
@@ -303,14 +306,21 @@ def test_micro_batches_by_length_give_each_row_its_own_statistics_and_the_same_u
 
 
 def test_one_forward_applies_only_to_exactly_on_policy_steps():
-    from otb_tir.trainer.actor import ActorSettings, one_forward_applies
+    from otb_tir.trainer.actor import ActorSettings, on_policy_micro_batches
 
     s = ActorSettings(ppo_micro_batch_size=16)
-    assert one_forward_applies(s, rows=16, rows_per_mini=16, epochs=1)
-    assert not one_forward_applies(s, rows=16, rows_per_mini=16, epochs=2)  # a second epoch is off-policy
-    assert not one_forward_applies(s, rows=16, rows_per_mini=8, epochs=1)  # two optimizer steps
-    assert not one_forward_applies(s, rows=32, rows_per_mini=32, epochs=1)  # two micro-batches
-    assert not one_forward_applies(ActorSettings(ppo_micro_batch_size=16, reuse_update_forward=False), 16, 16, 1)
+    uid = np.repeat(np.arange(8), 4).astype(object)  # 8 groups of 4
+    one = on_policy_micro_batches(s, uid[:16], 16, 16, 1, group_local=False)
+    assert [m.tolist() for m in one] == [list(range(16))]  # all rows in one micro-batch: any estimator
+    assert on_policy_micro_batches(s, uid[:16], 16, 16, 2, True) is None  # a second epoch is off-policy
+    assert on_policy_micro_batches(s, uid[:16], 16, 8, 1, True) is None  # two optimizer steps
+    # two micro-batches and an estimator that may read the whole batch
+    assert on_policy_micro_batches(s, uid, 32, 32, 1, group_local=False) is None
+    two = on_policy_micro_batches(s, uid, 32, 32, 1, group_local=True)  # two micro-batches of whole groups
+    assert [m.tolist() for m in two] == [list(range(16)), list(range(16, 32))]
+    assert on_policy_micro_batches(ActorSettings(ppo_micro_batch_size=3), uid, 32, 32, 1, True) is None  # group > micro
+    off = ActorSettings(ppo_micro_batch_size=16, reuse_update_forward=False)
+    assert on_policy_micro_batches(off, uid[:16], 16, 16, 1, True) is None
 
 
 # ------------------------------------------------------------------------ torchrun (2 ranks)

@@ -110,19 +110,23 @@ def test_step_raises_logprob_of_positive_advantage_trajectories(tmp_path, tiny_m
 
 
 @pytest.mark.slow
-def test_on_policy_step_takes_old_stats_from_the_update_forward(tmp_path, tiny_model_dir):
-    """SMALL's step is exactly on-policy (one epoch, one mini-batch, 8 rows in one micro-batch): by
-    default it skips the old-log-prob pass and gives the update the trainer makes with the pass
+@pytest.mark.parametrize("micro", [8, 4])
+def test_on_policy_step_takes_old_stats_from_the_update_forward(tmp_path, tiny_model_dir, micro):
+    """SMALL's step is exactly on-policy (one epoch, one mini-batch of 8 rows, 2 groups of 4): in one
+    micro-batch, or in two of one whole group each (TIR-OTB is group-local), by default it skips the
+    old-log-prob pass and gives the update the trainer makes with the pass
     (actor.reuse_update_forward=false), on the same episodes."""
     runs = {}
     for reuse in ("true", "false"):
-        tr = _trainer(tmp_path / reuse, tiny_model_dir, [f"actor.reuse_update_forward={reuse}"])
+        over = [f"actor.reuse_update_forward={reuse}", f"actor.ppo_micro_batch_size={micro}"]
+        tr = _trainer(tmp_path / reuse, tiny_model_dir, over)
         res = tr.train_step()
         weights = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
         runs[reuse] = (res, weights)
         asyncio_close(tr)
     (one, w_one), (two, w_two) = runs["true"], runs["false"]
     assert one.metrics["actor/one_forward"] == 1.0 and two.metrics["actor/one_forward"] == 0.0
+    assert one.metrics["actor/one_forward_micro_batches"] == 8 // micro
     assert one.metrics["timing/old_log_prob_s"] == 0.0 and two.metrics["timing/old_log_prob_s"] > 0
     assert one.metrics["timing/advantage_s"] > 0 and one.metrics["timing/update_s"] > 0
     assert [t.response_ids for t in one.batch.trajectories] == [t.response_ids for t in two.batch.trajectories]
@@ -252,6 +256,10 @@ def test_fit_attributes_every_phase_of_a_step(tmp_path, tiny_model_dir):
         assert sum(m[k] for k in inner) + m["timing/rollout_s"] == pytest.approx(m["timing/step_s"], abs=1e-6)
         assert 0.0 <= m["perf/pad_frac"] < 1.0 and m["perf/update_tokens_per_s"] > 0
         assert m["perf/process_cpu_s"] > 0  # this process's CPU seconds over the step (all its threads)
+        # the peak resident set after each phase: monotone through the step, never below the resident set
+        peaks = [m[f"memory/peak_rss_gib/{p}"] for p in ("rollout", "advantage", "update", "metrics")]
+        assert peaks == sorted(peaks) and peaks[0] > 0.05
+        assert all(m[f"memory/rss_gib/{p}"] <= m[f"memory/peak_rss_gib/{p}"] for p in ("rollout", "update"))
         # the padding share is of the columns the update's forward ran (its own count), not of the batch;
         # a group's prompt ran once (rollout.n samples share it): fewer real columns than the batch's tokens
         real = m["perf/update_tokens_per_s"] * m["timing/update_s"]
