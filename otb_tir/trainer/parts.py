@@ -160,6 +160,16 @@ def build_parts(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     else:
         model, tokenizer = policy
+    if cfg.model.enable_gradient_checkpointing:
+        from otb_tir import ConfigError
+
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(
+                f"model.enable_gradient_checkpointing=true: {type(model).__name__} does not support "
+                "transformers' gradient checkpointing; set it to false"
+            )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        log.info("gradient checkpointing on: each decoder layer's activations are recomputed in the backward")
     low_precision = None if cfg.model.dtype == "float32" else getattr(torch, cfg.model.dtype)
     autocast = None
     if low_precision is not None and device.type != "cuda":

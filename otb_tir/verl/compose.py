@@ -90,6 +90,9 @@ DEFAULT_PROMPT_LENGTH = 1024
 _LOGGERS = {"console": "console", "wandb": "wandb", "jsonl": None, "tensorboard": None}
 
 
+GRADIENT_CHECKPOINTING = "actor_rollout_ref.model.enable_gradient_checkpointing"
+
+
 def _check_supported(cfg: DictConfig) -> None:
     if cfg.rollout.name not in ("vllm", "sglang"):
         raise ConfigError(
@@ -254,6 +257,10 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if _LOGGERS.get(name)],
         "trainer.rollout_data_dir": None,
     }
+    if cfg.model.get("enable_gradient_checkpointing") is not None:  # null: verl's own default (the CPU profile's off)
+        settings["actor_rollout_ref.model.enable_gradient_checkpointing"] = bool(
+            cfg.model.enable_gradient_checkpointing
+        )
     if mode != "legacy":
         settings["trainer.v1.trainer_mode"] = f"otb_{mode}"  # otb_tir.verl.v1 registers these
     if mode in ASYNC_MODES:
@@ -274,6 +281,8 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
 
         prompt = DEFAULT_PROMPT_LENGTH
         for key, value in cpu_overrides(max_model_len=prompt + int(r.response_length)).items():
+            if key == GRADIENT_CHECKPOINTING and key in settings:  # the user's model.enable_gradient_checkpointing
+                continue
             if key.startswith("+"):
                 OmegaConf.update(v, key[1:], value, merge=False, force_add=True)
             else:

@@ -383,3 +383,31 @@ def test_rollout_is_weights_reach_the_loss_and_lr_is_the_rate_used(tmp_path, tin
     assert used_lr[0] == pytest.approx(1e-2 / 4)
     assert m["actor/lr"] == pytest.approx(used_lr[0])
     asyncio_close(tr)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_keeps_fewer_activations_and_gives_the_same_update(tmp_path, tiny_model_dir):
+    """model.enable_gradient_checkpointing=true: the update's forwards keep for the backward only what
+    lies outside the decoder layers (the bytes autograd saves, counted by a saved-tensors hook around
+    the step: the layers' own checkpoint hooks take theirs, to recompute them), and the step's update
+    is the one without it, on the same episodes."""
+    runs = {}
+    for on in ("false", "true"):
+        tr = _trainer(tmp_path / on, tiny_model_dir, [f"model.enable_gradient_checkpointing={on}"])
+        saved = [0]
+
+        def pack(t, saved=saved):
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            res = tr.train_step()
+        weights = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+        runs[on] = (res, weights, saved[0], tr.model.is_gradient_checkpointing)
+        asyncio_close(tr)
+    (off, w_off, b_off, g_off), (on_, w_on, b_on, g_on) = runs["false"], runs["true"]
+    assert g_on and not g_off
+    assert [t.response_ids for t in off.batch.trajectories] == [t.response_ids for t in on_.batch.trajectories]
+    assert b_off > 0 and b_on < 0.5 * b_off, (b_on, b_off)
+    assert off.metrics["actor/pg_loss"] == pytest.approx(on_.metrics["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(w_on, w_off, rtol=0, atol=1e-5)

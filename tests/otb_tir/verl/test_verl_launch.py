@@ -152,6 +152,17 @@ def test_the_cpu_profile_is_what_a_machine_without_an_accelerator_gets(tiny_mode
         prepare_verl(_cfg(tiny_model_dir, tmp_path, "trainer.device=cpu", "rollout.name=sglang"))
 
 
+@pytest.mark.parametrize("given, want", [(None, False), ("true", True), ("false", False)])
+def test_gradient_checkpointing_key_reaches_verl(tiny_model_dir, tmp_path, given, want):
+    """model.enable_gradient_checkpointing (verl's name) is verl's actor_rollout_ref.model key, the CPU
+    profile's off when the user gave none, the user's value when given (the profile does not undo it)."""
+    from otb_tir.verl.compose import compose_verl_config
+
+    extra = [] if given is None else [f"model.enable_gradient_checkpointing={given}"]
+    cfg = _cfg(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", *extra)
+    assert compose_verl_config(cfg).actor_rollout_ref.model.enable_gradient_checkpointing is want
+
+
 def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
     from otb_tir.verl.compose import compose_verl_config, validate_verl_config
 
