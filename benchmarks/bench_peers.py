@@ -718,6 +718,7 @@ LABELS = {
     "ours_model_step": "ours (TIR-OTB), the model's forward as decode step (rollout.decode_step=model)",
     "ours_padded": "ours (TIR-OTB), rows padded through the update, not packed (actor.pack_rows=false)",
     "ours_ckpt": "ours (TIR-OTB), gradient checkpointing (model.enable_gradient_checkpointing=true)",
+    "ours_fp32": "ours (TIR-OTB), the rollout engine in float32 too (rollout.dtype=float32)",
     "ours_off1": "ours (TIR-OTB), next rollout beside the update, one step off-policy (trainer.one_step_off_policy)",
     "ours_off1_compiled": "ours (TIR-OTB), one step off-policy and the compiled decode step",
 }
@@ -729,6 +730,7 @@ ESTIMATORS = {
     "ours_model_step": "tir_optimal_token_baseline",
     "ours_padded": "tir_optimal_token_baseline",
     "ours_ckpt": "tir_optimal_token_baseline",
+    "ours_fp32": "tir_optimal_token_baseline",
     "ours_off1": "tir_optimal_token_baseline",
     "ours_off1_compiled": "tir_optimal_token_baseline",
 }
@@ -738,6 +740,7 @@ OURS_EXTRA = {  # overrides of an A/B row
     "ours_model_step": ["rollout.decode_step=model"],
     "ours_padded": ["actor.pack_rows=false"],
     "ours_ckpt": ["model.enable_gradient_checkpointing=true"],
+    "ours_fp32": ["rollout.dtype=float32"],
     "ours_off1": ["trainer.one_step_off_policy=true"],
     "ours_off1_compiled": ["trainer.one_step_off_policy=true", "rollout.decode_step=compiled"],
 }
@@ -748,6 +751,7 @@ TOOL_LOSS = {
     "ours_model_step": "no (response_mask = 0 on tool tokens)",
     "ours_padded": "no (response_mask = 0 on tool tokens)",
     "ours_ckpt": "no (response_mask = 0 on tool tokens)",
+    "ours_fp32": "no (response_mask = 0 on tool tokens)",
     "ours_off1": "no (response_mask = 0 on tool tokens)",
     "ours_off1_compiled": "no (response_mask = 0 on tool tokens)",
     "ours_grpo": "no (response_mask = 0 on tool tokens)",

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["FLOAT_PATHS", "cpu_kernels", "describe", "speed_reference"]
+__all__ = ["FLOAT_PATHS", "cpu_kernels", "describe", "native_bf16", "speed_reference"]
 
 # Environments that make torch on this CPU compute as another CPU of this kind would: the float
 # order of a run follows the vector kernels torch dispatches to (ATen's AVX-512 / AVX2 / scalar
@@ -49,6 +49,17 @@ def describe() -> str:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return f"{os.cpu_count()} × {cpu}{mem}, {gpu}, {platform.system()} {platform.release()}"
+
+
+def native_bf16() -> str:
+    """The CPU's native bfloat16 instructions ("avx512_bf16", "amx_bf16", both joined by "+"), or ""
+    where it has none (bfloat16 is then emulated and slower: the AVX2-only VMs of this kind)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+    have = set(flags.split(":", 1)[-1].split())
+    return "+".join(f for f in ("avx512_bf16", "amx_bf16") if f in have)
 
 
 def cpu_kernels() -> str:

@@ -21,6 +21,14 @@ from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
+_IN_FLIGHT = 0  # tool calls of this process under way (Tool.invoke), read by calls_in_flight()
+
+
+def calls_in_flight() -> int:
+    """How many tool calls this process has under way (every :meth:`Tool.invoke` from its start to
+    its result): a rollout engine on the CPU leaves cores to them while there are any."""
+    return _IN_FLIGHT
+
 
 class ToolError(Exception):
     """Bad tool configuration or registration (raised at configuration time, never mid-episode)."""
@@ -126,6 +134,14 @@ class Tool(abc.ABC):
         (``ErrorKind.SANDBOX`` for OS/IPC failures), ``timeout`` seconds elapsed become
         ``ErrorKind.TIMEOUT``. ``metrics["latency_ms"]`` is always set.
         """
+        global _IN_FLIGHT
+        _IN_FLIGHT += 1
+        try:
+            return await self._invoke_timed(args, session_id, timeout)
+        finally:
+            _IN_FLIGHT -= 1
+
+    async def _invoke_timed(self, args: Any, session_id: str | None, timeout: float | None) -> ToolResult:
         start = time.perf_counter()
         try:
             result = await self._invoke_checked(args, session_id, timeout)

@@ -53,6 +53,7 @@ from agent_env.engines.hf_batch import (
 from agent_env.engines.hf_model import copy_weights, eos_ids, load_model
 from agent_env.engines.hf_sampling import Request, make_request, sample
 from agent_env.engines.hf_weights import WeightWatch
+from tools.base import calls_in_flight
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,13 @@ class HFEngine(RunningBatch):
             ``asyncio.to_thread``).
         cpu_threads: torch threads for the engine's steps when they run on the caller's thread on the
             CPU (the rest of the process keeps its own setting; between two rollouts, when the engine
-            is empty, torch's setting is back). None: half of torch's threads, at least 1, leaving the
-            other cores to the tools' sandbox processes, which run beside generation; 0: torch's own
-            setting. With a core busy, torch's two-thread kernels stall on it: on 2 cores a decode
-            step of the tiny policy took 25.2 ms on 2 threads and 10.6 ms on 1, while on idle cores
+            is empty, torch's setting is back). None: adaptive — half of torch's threads, at least 1,
+            while a tool call of this process is under way (:func:`tools.base.calls_in_flight`: the
+            tools' sandbox processes run beside generation), all of them while none is (decode 1.45×
+            to 1.9× faster on idle cores than on half, tiny to 151M parameters, ``bench_bf16.py``
+            2026-12-07); N: always N; 0: torch's own setting. With a core busy, torch's two-thread
+            kernels stall on it: on 2 cores a decode step of the tiny policy took 25.2 ms on 2
+            threads and 10.6 ms on 1, while on idle cores
             2 threads were faster, 7.1 against 11.0 ms (``benchmarks/bench_engine_decode.py --busy 1``,
             recorded in docs/results.md).
         decode_step: how a decode step runs (:mod:`agent_env.engines.hf_decode`): ``"model"``, the
@@ -141,6 +145,7 @@ class HFEngine(RunningBatch):
         self.worker_thread = self.device.type != "cpu" if worker_thread is None else bool(worker_thread)
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or cpu_threads < 0):
             raise EngineError(f"cpu_threads must be >= 0 (0 = torch's own setting) or None, got {cpu_threads!r}")
+        self.adaptive_threads = cpu_threads is None  # all threads while no tool call is under way
         if cpu_threads is None:
             cpu_threads = max(1, torch.get_num_threads() // 2)
         # only where the steps run on the caller's thread on the CPU (a thread count is per thread)
@@ -331,10 +336,15 @@ class HFEngine(RunningBatch):
                     self._restore_threads()  # empty: the rest of the process runs with its own setting
 
     def _own_threads(self) -> None:
-        if self.cpu_threads and self._threads_before is None:
+        if not self.cpu_threads:
+            return
+        if self._threads_before is None:
             self._threads_before = torch.get_num_threads()
-            if self._threads_before != self.cpu_threads:
-                torch.set_num_threads(self.cpu_threads)
+        want = self.cpu_threads
+        if self.adaptive_threads and not calls_in_flight():  # no tool's process beside: every thread
+            want = max(want, self._threads_before)
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _restore_threads(self) -> None:
         if self._threads_before is not None:

@@ -77,7 +77,7 @@ EVAL_CHOICES: dict[str, tuple[Any, ...]] = {
     **{k: CHOICES[k] for k in ("model.dtype", "rollout.decode_step", "multi_turn.tool_response_truncate_side")},
     "rollout.name": tuple(c for c in CHOICES["rollout.name"] if c != "auto"),  # no trainer to choose for
     "rollout.device": CHOICES["trainer.device"],
-    "rollout.dtype": (*CHOICES["model.dtype"], "auto"),
+    "rollout.dtype": CHOICES["rollout.dtype"],
 }
 
 

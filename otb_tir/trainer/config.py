@@ -58,11 +58,18 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (0 = greedy)
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
     top_k: int = -1  # top-k sampling (-1 = off)
+    # the rollout engine's weights (verl's name): float32 | bfloat16 | float16. Not float32: the hf engine
+    # keeps a copy in that dtype, refreshed after each update (the actor stays float32). auto: bfloat16 on a
+    # CPU with native bfloat16 (avx512_bf16 / AMX) for a policy of >= 20M parameters (measured faster
+    # there), else float32; decided at start and logged. trainer=verl passes a value to
+    # actor_rollout_ref.rollout.dtype (auto: verl's own; the CPU profile's float32)
+    dtype: str = "auto"
     response_length: int = 192  # R: the whole multi-turn response budget, tool tokens included
     max_tokens_per_turn: int = 96  # cap on one assistant turn (within what is left of R)
     max_batch_size: int = 64  # hf engine: requests decoded together
-    # hf engine on the CPU: torch threads for its steps (null: half of torch's, at least 1, leaving the other
-    # cores to the tools' sandboxes that run beside generation; 0: torch's own setting)
+    # hf engine on the CPU: torch threads for its steps (null: adaptive, half of torch's, at least 1, while a
+    # tool call is under way, leaving the other cores to the tools' sandboxes that run beside generation, all
+    # of them while none is; N: always N; 0: torch's own setting)
     cpu_threads: int | None = None
     # hf engine: a decode step through auto (fused where the model is a Qwen2/Qwen3/Llama one, else model) |
     # model (its own forward) | fused (the step written out from its weights) | compiled (fused, torch.compile'd:
@@ -232,6 +239,7 @@ class Config:
 # reward section's functions, the tools) take any name their registry resolves (otb_tir.builders.check_plugins).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.dtype": ("float32", "bfloat16", "float16", "auto"),
     "rollout.name": ("auto", "hf", "vllm", "sglang"),
     "rollout.decode_step": ("auto", "model", "fused", "compiled"),
     "multi_turn.tool_response_truncate_side": ("head", "tail", "middle"),

@@ -91,6 +91,9 @@ _LOGGERS = {"console": "console", "wandb": "wandb", "jsonl": None, "tensorboard"
 
 
 GRADIENT_CHECKPOINTING = "actor_rollout_ref.model.enable_gradient_checkpointing"
+ROLLOUT_DTYPE = "actor_rollout_ref.rollout.dtype"
+# verl keys the CPU profile sets that one of our keys sets when the user gives it (it then wins)
+USER_OVER_PROFILE = (GRADIENT_CHECKPOINTING, ROLLOUT_DTYPE)
 
 
 def _check_supported(cfg: DictConfig) -> None:
@@ -257,10 +260,10 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if _LOGGERS.get(name)],
         "trainer.rollout_data_dir": None,
     }
-    if cfg.model.get("enable_gradient_checkpointing") is not None:  # null: verl's own default (the CPU profile's off)
-        settings["actor_rollout_ref.model.enable_gradient_checkpointing"] = bool(
-            cfg.model.enable_gradient_checkpointing
-        )
+    if cfg.model.get("enable_gradient_checkpointing") is not None:  # null: verl's own (the CPU profile's off)
+        settings[GRADIENT_CHECKPOINTING] = bool(cfg.model.enable_gradient_checkpointing)
+    if cfg.rollout.get("dtype", "auto") != "auto":  # auto: verl's own (the CPU profile's float32)
+        settings[ROLLOUT_DTYPE] = str(cfg.rollout.dtype)
     if mode != "legacy":
         settings["trainer.v1.trainer_mode"] = f"otb_{mode}"  # otb_tir.verl.v1 registers these
     if mode in ASYNC_MODES:
@@ -281,7 +284,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
 
         prompt = DEFAULT_PROMPT_LENGTH
         for key, value in cpu_overrides(max_model_len=prompt + int(r.response_length)).items():
-            if key == GRADIENT_CHECKPOINTING and key in settings:  # the user's model.enable_gradient_checkpointing
+            if key in USER_OVER_PROFILE and key in settings:  # the user gave our key for it
                 continue
             if key.startswith("+"):
                 OmegaConf.update(v, key[1:], value, merge=False, force_add=True)

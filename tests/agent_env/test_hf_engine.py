@@ -711,12 +711,18 @@ def test_slack_layer_appends_in_place_and_holds_what_a_dynamic_layer_holds():
     assert torch.equal(slack.update(k, v)[0], ref.update(k, v)[0])
 
 
-@pytest.mark.parametrize("cpu_threads", [None, 1, 0])
-def test_cpu_threads_hold_during_steps_and_torch_setting_is_back_after(tiny_model_dir, prompts, cpu_threads):
-    """The engine's steps on the CPU run with its own thread count (None: half of torch's, at least
-    1; 0: torch's); once it is empty again, and after a failed step, the process has torch's setting."""
+@pytest.mark.parametrize("cpu_threads, tool_running", [(None, False), (None, True), (1, False), (0, True)])
+def test_cpu_threads_hold_during_steps_and_torch_setting_is_back_after(
+    tiny_model_dir, prompts, cpu_threads, tool_running
+):
+    """The engine's steps on the CPU run with its own thread count (None: all of torch's while no tool
+    call of this process is under way, half of them, at least 1, while one is — a real Tool.invoke
+    waiting beside the generation; N: N; 0: torch's); once it is empty again, and after a failed step,
+    the process has torch's setting."""
+    from tools.base import Tool, ToolResult, calls_in_flight
+
     before = torch.get_num_threads()
-    want = {None: max(1, before // 2), 1: 1, 0: before}[cpu_threads]
+    want = {None: max(1, before // 2) if tool_running else before, 1: 1, 0: before}[cpu_threads]
     eng = HFEngine(tiny_model_dir, cpu_threads=cpu_threads, max_batch_size=8)
     seen = []
     real = eng._forward
@@ -725,9 +731,30 @@ def test_cpu_threads_hold_during_steps_and_torch_setting_is_back_after(tiny_mode
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
+    class Waits(Tool):
+        name = "waits"
+
+        async def call(self, args, *, session_id=None):
+            await self.release_me.wait()
+            return ToolResult(text="done")
+
+    async def with_tool(coro):
+        if not tool_running:
+            return await coro
+        tool = Waits()
+        tool.release_me = asyncio.Event()
+        call = asyncio.ensure_future(tool.invoke({}))
+        await asyncio.sleep(0)
+        assert calls_in_flight() == 1
+        try:
+            return await coro
+        finally:
+            tool.release_me.set()
+            assert (await call).ok and calls_in_flight() == 0
+
     eng._forward = spy
     sp = SamplingParams(max_tokens=6, temperature=0.0)
-    outs = run(gen_all(eng, prompts[:4], sp))
+    outs = run(with_tool(gen_all(eng, prompts[:4], sp)))
     assert all(len(o.token_ids) == 6 for o in outs)
     assert seen and set(seen) == {want}
     assert torch.get_num_threads() == before
@@ -738,7 +765,7 @@ def test_cpu_threads_hold_during_steps_and_torch_setting_is_back_after(tiny_mode
 
     eng._forward = boom
     with pytest.raises(EngineError, match="boom"):
-        run(gen_all(eng, prompts[:2], sp))
+        run(with_tool(gen_all(eng, prompts[:2], sp)))
     assert seen[-1] == want and torch.get_num_threads() == before
     run(eng.close())
 

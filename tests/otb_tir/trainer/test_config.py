@@ -82,7 +82,13 @@ def test_eval_takes_the_training_choices_of_the_keys_they_share():
     from otb_tir.trainer.config import CHOICES
 
     shared = set(EVAL_CHOICES) & set(CHOICES)
-    assert shared == {"model.dtype", "rollout.name", "rollout.decode_step", "multi_turn.tool_response_truncate_side"}
+    assert shared == {
+        "model.dtype",
+        "rollout.name",
+        "rollout.dtype",
+        "rollout.decode_step",
+        "multi_turn.tool_response_truncate_side",
+    }
     assert all(EVAL_CHOICES[k] is CHOICES[k] for k in shared - {"rollout.name"})
     assert EVAL_CHOICES["rollout.name"] == tuple(c for c in CHOICES["rollout.name"] if c != "auto")
     assert EVAL_CHOICES["rollout.device"] is CHOICES["trainer.device"]

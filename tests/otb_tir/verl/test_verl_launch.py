@@ -163,6 +163,17 @@ def test_gradient_checkpointing_key_reaches_verl(tiny_model_dir, tmp_path, given
     assert compose_verl_config(cfg).actor_rollout_ref.model.enable_gradient_checkpointing is want
 
 
+@pytest.mark.parametrize("given, want", [(None, "float32"), ("auto", "float32"), ("bfloat16", "bfloat16")])
+def test_rollout_dtype_reaches_verl(tiny_model_dir, tmp_path, given, want):
+    """rollout.dtype (verl's name) is verl's actor_rollout_ref.rollout.dtype: the CPU profile's float32
+    when the user gave none, the user's value when given."""
+    from otb_tir.verl.compose import compose_verl_config
+
+    extra = [] if given is None else [f"rollout.dtype={given}"]
+    cfg = _cfg(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", *extra)
+    assert compose_verl_config(cfg).actor_rollout_ref.rollout.dtype == want
+
+
 def test_verls_checks_reject_a_bad_layout(tiny_model_dir, tmp_path):
     from otb_tir.verl.compose import compose_verl_config, validate_verl_config
 
