@@ -20,9 +20,13 @@ The folders are kept under ``<out>/models`` and reused.
 **Same work** (``benchmarks/bench_peers.py``'s rules; its functions run both trainers): the same
 prompts per step (our data cursor's order for seed 0, given to TRL unshuffled and checked), group
 size, lr 2e-4 constant, AdamW β (0.9, 0.99), grad clip 1, clip 0.2 / 0.28, no KL, one optimizer step
-per batch, token-mean loss, float32 on the CPU, one process each, the same micro-batch (trajectories
-per forward/backward: ours ``actor.ppo_micro_batch_size``, TRL ``per_device_train_batch_size`` with
-gradient accumulation over the batch).
+per batch, token-mean loss, one process each, the same micro-batch (trajectories per forward/backward:
+ours ``actor.ppo_micro_batch_size``, TRL ``per_device_train_batch_size`` with gradient accumulation over
+the batch). Both actors train in float32. The rollout: TRL generates in float32; ``ours`` is the
+recipe's default, ``rollout.dtype=auto``: a bfloat16 copy of the weights in the engine on a CPU with
+native bfloat16 for a policy of >= 20M parameters (so from the 30m shape up on an AVX-512-BF16 VM;
+float32 everywhere on an AVX2-only one), and ``ours_fp32`` (``rollout.dtype=float32``) is ours in
+float32 throughout, as TRL; ``ours_ckpt`` adds gradient checkpointing.
 
 **Equal work with random weights**, which would otherwise stop at random points and call no tool:
 
@@ -51,9 +55,8 @@ takes bench_peers' other rows of ours (``ours_grpo``: GRPO, TRL's estimator; ``o
 × n=4, R=128 tokens, micro-batch 8 — what fits Qwen3-0.6B in 24 GB for both trainers: parameters,
 gradients and AdamW's two moments in float32 are ~16 B/parameter (9.5 GB), TRL's [8, 128, 151,936]
 float32 logits ~0.6 GB a copy (a few copies live through its loss), activations of 8 rows of ~180 tokens
-over 28 layers a few GB: ~14 GB peak expected for ours, ~17 GB for TRL. Scaled from the 30m run
-(2026-12-07, quiet 2-core VM: ours 9.6 s a step, TRL 14.0 s), expect ~2-3 min a step at 0.6B, so
-~10 min per trainer with start-up (150m: ~2-3 min per trainer). Disk: 2.4 GB for the 0.6B folder.
+over 28 layers a few GB. Measured 2026-12-07 (2-core AVX-512-BF16 VM): at 0.6B ours ~76 s a step,
+TRL ~155 s, ~5-6 min per trainer with start-up (150m: ~1.5 min). Disk: 2.4 GB for the 0.6B folder.
 
 Writes ``<out>/results.json`` (default ``runs/bench_scale/``; resumable: a shape × trainer already there
 is not rerun unless ``--force``), prints the table and writes ``<out>/scale.png``.

@@ -9,6 +9,8 @@ over the steps after the first (the first carries start-up and first-request war
   forward), advantage, update, weight sync, the whole step;
 * samples/s and sampled (policy) tokens/s over the step;
 * staleness: mean and max weight-version lag of the samples trained on;
+* the peak resident set of each process of the run (the trainer's, Ray's workers: sampled every
+  second with psutil);
 * trainer idle (waiting on rollouts) and rollout idle (the rollout servers waiting on the trainer),
   and the overlap they imply (rollout busy while the trainer computes).
 
@@ -52,21 +54,78 @@ def _steps(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "timing/step_s" in r}
 
 
-def _run(python: str, out: Path, args: list[str], timeout: float) -> tuple[float, str | None]:
-    t0 = time.time()
+def _process_name(proc) -> str:
+    """A process's role: Ray's title (``ray::WorkerDict.…``, ``ray::AgentLoopWorker…``), else its
+    program and first argument (``python …/train_tir_math.py``, ``raylet``, ``gcs_server``)."""
     try:
-        proc = subprocess.run(
-            [python, str(REPO / "recipes" / "train_tir_math.py"), f"trainer.output_dir={out}", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        cmd = proc.cmdline()
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return "?"
+    if cmd and cmd[0].startswith("ray::"):
+        return cmd[0].split()[0]
+    names = [Path(c).name for c in cmd[:3] if c and not c.startswith("-")]
+    return " ".join(names[:2]) or proc.name()
+
+
+class PeakRSS:
+    """Every second, the resident set of a process and all its descendants (Ray's head, raylet and
+    workers are the driver's), keeping each process's peak; :meth:`by_role` sums nothing: per pid,
+    named by :func:`_process_name`."""
+
+    def __init__(self, pid: int, every_s: float = 1.0) -> None:
+        import threading
+
+        self.pid, self.every_s = pid, every_s
+        self.peak: dict[int, tuple[str, float]] = {}  # pid -> (role, peak GiB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        while not self._stop.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                break
+            for proc in procs:
+                try:
+                    gib = proc.memory_info().rss / 2**30
+                except psutil.Error:
+                    continue
+                role, best = self.peak.get(proc.pid, (None, 0.0))
+                if role is None or role == "?" or gib > best:
+                    self.peak[proc.pid] = (_process_name(proc) if role in (None, "?") else role, max(gib, best))
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> list[tuple[str, float]]:
+        """The processes' (role, peak GiB), largest first (those above 50 MiB)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return sorted(((r, g) for r, g in self.peak.values() if g > 0.05), key=lambda x: -x[1])
+
+
+def _run(python: str, out: Path, args: list[str], timeout: float) -> tuple[float, str | None, list]:
+    t0 = time.time()
+    cmd = [python, str(REPO / "recipes" / "train_tir_math.py"), f"trainer.output_dir={out}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rss = PeakRSS(proc.pid)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return time.time() - t0, f"did not finish in {timeout:.0f} s"
+        proc.kill()
+        proc.communicate()
+        return time.time() - t0, f"did not finish in {timeout:.0f} s", rss.stop()
+    peaks = rss.stop()
     if proc.returncode != 0:
-        tail = [line for line in proc.stderr.splitlines() if line.strip()][-6:]
-        return time.time() - t0, f"rc={proc.returncode}: " + " / ".join(tail)[-800:]
-    return time.time() - t0, None
+        tail = [line for line in stderr.splitlines() if line.strip()][-6:]
+        return time.time() - t0, f"rc={proc.returncode}: " + " / ".join(tail)[-800:], peaks
+    return time.time() - t0, None, peaks
 
 
 def _mean(rows: list[dict], key: str | None) -> float | None:
@@ -137,14 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
     wall: dict[str, float] = {}
+    peaks: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = a.keep or Path(tmp)
         for mode in modes:
             out = root / mode
             if mode == "local":
-                wall[mode], err = _run(sys.executable, out, common, a.timeout)
+                wall[mode], err, peaks[mode] = _run(sys.executable, out, common, a.timeout)
             else:
-                wall[mode], err = _run(
+                wall[mode], err, peaks[mode] = _run(
                     a.verl_python, out, ["trainer=verl", f"verl.trainer_mode={mode}", *common], a.timeout
                 )
             if err:
@@ -170,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| per step | " + " | ".join(shown) + " |\n|---|" + "---|" * len(shown))
     for label in labels:
         print(f"| {label} | " + " | ".join(fmt(results[m].get(label)) for m in shown) + " |")
+    print("\nPeak resident set per process (GiB, sampled every second; the run's process and its descendants):")
+    for mode in modes:
+        if peaks.get(mode):
+            top = ", ".join(f"{role} {gib:.2f}" for role, gib in peaks[mode][:8])
+            print(f"- {mode}: {top}; all processes' peaks summed {sum(g for _, g in peaks[mode]):.2f}")
     for mode, err in errors.items():
         print(f"\n{mode}: did not run: {err}")
     return 1 if errors and not results else 0

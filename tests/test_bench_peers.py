@@ -260,3 +260,18 @@ def test_quick_run_from_another_folder(tmp_path):
     assert (out / "trl" / "seed0" / "final" / "model.safetensors").is_file()
     assert (out / "ours" / "seed0" / "final" / "model.safetensors").is_file()
     assert "| TRL 1.16 GRPOTrainer |" in proc.stdout and "ours/TRL samples/s" in proc.stdout
+
+
+def test_bench_verl_phases_reads_each_processs_peak_resident_set():
+    """PeakRSS samples a process and its descendants: a child that holds 300 MB for 2 s is seen at
+    >= 0.25 GiB under its own name, the parent apart."""
+    import bench_verl_phases as bvp
+
+    child = "import time; b = bytearray(300 << 20); time.sleep(2.5)"
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    rss = bvp.PeakRSS(proc.pid, every_s=0.2)
+    proc.wait(timeout=60)
+    peaks = rss.stop()
+    assert peaks and peaks[0][1] >= 0.25, peaks
+    assert "python" in peaks[0][0] or "-c" in peaks[0][0], peaks
