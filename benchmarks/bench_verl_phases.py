@@ -99,8 +99,10 @@ class PeakRSS:
                 except psutil.Error:
                     continue
                 role, best = self.peak.get(proc.pid, (None, 0.0))
-                if role is None or role == "?" or gib > best:
-                    self.peak[proc.pid] = (_process_name(proc) if role in (None, "?") else role, max(gib, best))
+                # a Ray worker sets its title after it starts, an idle one's (ray::IDLE) when it takes an actor
+                if role is None or not role.startswith("ray::") or role == "ray::IDLE":
+                    role = _process_name(proc)
+                self.peak[proc.pid] = (role, max(gib, best))
             self._stop.wait(self.every_s)
 
     def stop(self) -> list[tuple[str, float]]:

@@ -248,8 +248,9 @@ class _Sums:
         self.n_micro += 1
 
     def optimizer_step(self, model, optimizer, s: ActorSettings) -> None:
-        """Clip the gradient norm and step (skipped when the norm is not finite). ``grad_clip`` 0 is
-        off: the norm is still measured (max norm ∞ scales by 1), the gradient is left as it is."""
+        """Clip the gradient norm and step (skipped when the norm is not finite), then drop the
+        gradients. ``grad_clip`` 0 is off: the norm is still measured (max norm ∞ scales by 1), the
+        gradient is left as it is."""
         max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: already the global norm
@@ -257,6 +258,7 @@ class _Sums:
         grad_norm = float(grad_norm)
         if torch.isfinite(torch.tensor(grad_norm)):
             optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for the rollout (2.2 GiB at 0.6B)
         self.grad_norm += grad_norm
 
     def metrics(self, n_mini: int, world: int, device: torch.device) -> dict[str, float]:

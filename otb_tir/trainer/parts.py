@@ -239,7 +239,8 @@ def build_parts(
     # The episode stops turns at the template's end-of-turn token; the tiny policy's generation
     # config also lists the pad token as eos, which must not end a turn.
     weights_fn = None
-    rollout_dtype = rollout_dtype_for(cfg, model, device)
+    # the hf engine's dtype (vllm / sglang take theirs in _serving_engine)
+    rollout_dtype = rollout_dtype_for(cfg, model, device) if cfg.rollout.name not in ("vllm", "sglang") else None
     common = dict(
         max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.trainer.seed,
