@@ -102,7 +102,7 @@ def check_verl_wiring(mode: str, v: Any, info: dict[str, Any], model: Path, args
     V1 trainer in ``mode`` with vLLM for one trainer GPU and our settings, nothing of the CPU profile."""
     from omegaconf import OmegaConf
 
-    from otb_tir.verl.cpu import ENV_FLAG, MODULE, cpu_overrides
+    from otb_tir.verl.cpu import profile_leaks
 
     ro = v.actor_rollout_ref.rollout
     problems = []
@@ -131,15 +131,11 @@ def check_verl_wiring(mode: str, v: Any, info: dict[str, Any], model: Path, args
         want("parameter_sync_step x mini-batch = batch", sync_step * mini == batch)
         want("truncated IS weights (off-policy samples)", v.algorithm.rollout_correction.rollout_is == "token")
     # the CPU profile's settings (otb_tir.verl.cpu), but for eager vLLM, which this check asks for itself
-    ours = {"actor_rollout_ref.rollout.enforce_eager"}
-    prompt = int(v.data.max_prompt_length)
-    for key, value in cpu_overrides(max_model_len=prompt + int(ro.response_length)).items():
-        key = key.lstrip("+")
-        if key not in ours and OmegaConf.select(v, key, default="<absent>") == value:
-            problems.append(f"the CPU profile's {key}={value!r}")
-    for env in (info.get("env", {}), v.ray_kwargs.ray_init.runtime_env.env_vars):
-        if ENV_FLAG in env or MODULE in str(env.get("VERL_USE_EXTERNAL_MODULES", "")).split(","):
-            problems.append(f"the CPU profile in the run's environment: {dict(env)}")
+    envs = (info.get("env", {}), v.ray_kwargs.ray_init.runtime_env.env_vars)
+    max_len = int(v.data.max_prompt_length) + int(ro.response_length)
+    problems += profile_leaks(
+        v, envs, max_model_len=max_len, allow=frozenset({"actor_rollout_ref.rollout.enforce_eager"})
+    )
     if "num_gpus" in v.ray_kwargs.ray_init:
         problems.append("logical Ray GPUs (the CPU profile's)")
     if "gloo" in json.dumps(OmegaConf.to_container(v)):

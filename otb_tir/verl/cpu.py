@@ -82,7 +82,7 @@ from otb_tir.verl.glue import after_import, install_fsdp2_save_copy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_FLAG", "PATCHES", "after_import", "apply", "applied", "cpu_env", "cpu_overrides"]
+__all__ = ["ENV_FLAG", "PATCHES", "after_import", "apply", "applied", "cpu_env", "cpu_overrides", "profile_leaks"]
 
 ENV_FLAG = "OTB_TIR_VERL_CPU"
 MODULE = __name__
@@ -151,6 +151,24 @@ def cpu_overrides(*, max_model_len: int, num_cpus: int | None = None) -> dict[st
         "reward.num_workers": 1,
         "data.dataloader_num_workers": 0,  # 8 DataLoader processes on a 2-core machine only add start-up time
     }
+
+
+def profile_leaks(v: Any, envs: Any, *, max_model_len: int, allow: frozenset[str] = frozenset()) -> list[str]:
+    """What of this CPU profile a composed verl config ``v`` (for an accelerator) still holds: each
+    :func:`cpu_overrides` value it has (but for the keys in ``allow``), and each environment of
+    ``envs`` (the launcher's, the Ray workers') that sets :data:`ENV_FLAG` or loads this module;
+    ``[]`` when none. The GPU check and the seed config's test read a GPU run's config with it."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for key, value in cpu_overrides(max_model_len=max_model_len).items():
+        key = key.lstrip("+")
+        if key not in allow and OmegaConf.select(v, key, default="<absent>") == value:
+            out.append(f"the CPU profile's {key}={value!r}")
+    for env in envs:
+        if ENV_FLAG in env or MODULE in str(env.get("VERL_USE_EXTERNAL_MODULES", "")).split(","):
+            out.append(f"the CPU profile in the run's environment: {dict(env)}")
+    return out
 
 
 def applied() -> frozenset[str]:

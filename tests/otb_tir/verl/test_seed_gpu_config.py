@@ -210,18 +210,14 @@ def test_the_model_and_data_are_the_given_folder_and_prepare_datas_files(seed_ru
 
 
 def test_nothing_of_the_cpu_profile_reaches_the_gpu_config_or_its_environment(seed_run):
-    from otb_tir.verl.cpu import ENV_FLAG, MODULE, cpu_env, cpu_overrides
+    from otb_tir.verl.cpu import MODULE, cpu_env, profile_leaks
 
     _, v, info = seed_run
     assert v.trainer.device == "cuda" and info["device"] == "gpu"
-    leaked = [
-        f"{key.lstrip('+')}={value!r}"
-        for key, value in cpu_overrides(max_model_len=1024 + 2048).items()
-        if OmegaConf.select(v, key.lstrip("+"), default="<absent>") == value
-    ]
-    assert not leaked, f"the CPU profile's settings in the GPU config: {leaked}"
-    for env in (info["env"], v.ray_kwargs.ray_init.runtime_env.env_vars):
-        assert ENV_FLAG not in env and MODULE not in str(env.get("VERL_USE_EXTERNAL_MODULES", "")).split(",")
+    envs = (info["env"], v.ray_kwargs.ray_init.runtime_env.env_vars)
+    leaked = profile_leaks(v, envs, max_model_len=1024 + 2048)
+    assert not leaked, f"the CPU profile in the GPU config or its environment: {leaked}"
+    for env in envs:
         shared = {"TOKENIZERS_PARALLELISM", "VERL_USE_EXTERNAL_MODULES"}  # both profiles set these
         assert not {k for k in cpu_env() if k not in shared} & set(env), f"CPU variables in the GPU env: {env}"
     # no gloo anywhere (the CPU's process groups and checkpoint engine), no CPU module, no CPU platform
