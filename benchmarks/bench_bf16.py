@@ -21,8 +21,9 @@ reused, as bench_scale writes them), in one process, each timed ``--reps`` times
 * ``gap``: on the same rows, the largest and the mean absolute difference between the log-probs of
   the bfloat16 weights and those of float32 (response tokens), and the same for autocast.
 
-``torch.backends.cpu.get_cpu_capability()`` and whether the CPU has ``avx512_bf16`` (native
-bfloat16 dot products) are printed: without them bfloat16 is emulated and slower. A ratio > 1 is
+``torch.backends.cpu.get_cpu_capability()`` and the CPU's native bfloat16 instructions
+(:func:`otb_tir.machine.native_bf16`: avx512_bf16, AMX) are printed: without them bfloat16 is
+emulated and slower. A ratio > 1 is
 bfloat16 faster. Writes ``--out`` (default ``runs/bench_bf16.json``).
 """
 
@@ -44,12 +45,9 @@ SHAPES = ("tiny", "30m", "150m", "qwen3-0.6b")
 
 
 def cpu_bf16() -> dict[str, object]:
-    flags = ""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    return {"capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": " avx512_bf16" in flags}
+    from otb_tir.machine import native_bf16
+
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16() or "none"}
 
 
 def load(shape: str, models: Path):
@@ -155,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu = cpu_bf16()
     gflops = speed_reference()["matmul_gflops"]
-    print(f"# bench_bf16 {time.strftime('%Y-%m-%d %H:%M')}: cpu capability {cpu['capability']}, avx512_bf16 "
-          f"{cpu['avx512_bf16']}, torch {torch.__version__}, {torch.get_num_threads()} threads, speed reference "
+    print(f"# bench_bf16 {time.strftime('%Y-%m-%d %H:%M')}: cpu capability {cpu['capability']}, native bfloat16 "
+          f"{cpu['native_bf16']}, torch {torch.__version__}, {torch.get_num_threads()} threads, speed reference "
           f"{gflops:.1f} GFLOP/s; decode {a.batch} x ({a.prompt} + {a.new}), update {a.rows} x ({a.prompt} + "
           f"{a.response}), median of {a.reps}", flush=True)  # fmt: skip
     rows = []
