@@ -32,13 +32,10 @@ TASKS = ("sp", "stats", "hidden_fwd", "hidden_bwd")
 
 
 def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                key, val = line.split(":")
-                out[key] = int(val.split()[0]) * 1024
-    return out
+    """VmHWM / VmRSS in bytes: the trainer's one reader of ``/proc/self/status``."""
+    from otb_tir.trainer.timing import memory_kb
+
+    return {k: v * 1024 for k, v in memory_kb().items()}
 
 
 def _naive_stats(z, labels):
