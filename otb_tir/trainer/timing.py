@@ -110,8 +110,9 @@ def release_free_memory() -> bool:
     32 MiB as large blocks are freed, so most of a model's activations) in its arenas, one per thread
     that allocated; a phase's freed tensors (the rollout's KV cache, the forward's activations) then stay
     resident and the next phase, allocating other sizes from other threads, adds to them. Measured at
-    Qwen3-0.6B's shape (bench_scale, ``ours_ckpt``): the resident set after an update 8.5 GiB with this
-    after every phase against 11.5 GiB without, the step's peak 12.7 against 13.7 GiB."""
+    Qwen3-0.6B's shape (``bench_scale.py --shapes qwen3-0.6b --trainers ours_ckpt --steps 3``, 2026-12-07):
+    the resident set after an update 8.5 GiB with this after every phase against 11.5 GiB without; with it
+    also after each micro-batch's backward (the actor) the run's peak 12.47 against 14.05 GiB."""
     fn = _malloc_trim()
     if fn is None:
         return False
