@@ -355,6 +355,8 @@ def trl_worker(spec_path: Path) -> int:
     tool_fns = make_trl_tools(tokenizer, tool_set, s.max_tool_response_length, s.tool_timeout, stats, names)
 
     overrides = {"use_transformers_continuous_batching": continuous_batching, **spec.get("grpo_args", {})}
+    if spec.get("variant") == "trl_bf16":  # TRL's own default on a CPU: accelerate's bfloat16 autocast
+        overrides["bf16"] = True
     args = grpo_args(s, seed, out, **overrides)
 
     phases: list[dict[str, float]] = []
@@ -713,12 +715,13 @@ LABELS = {
     "ours_grpo": "ours (local trainer, GRPO)",
     "trl": "TRL 1.16 GRPOTrainer",
     "trl_cb": "TRL 1.16 GRPOTrainer, continuous batching",
+    "trl_bf16": "TRL 1.16 GRPOTrainer, bfloat16 autocast (bf16=True, GRPOConfig's default)",
     "ours_torch_threads": "ours (TIR-OTB), engine steps on torch's threads (rollout.cpu_threads=0)",
     "ours_compiled": "ours (TIR-OTB), compiled decode step (rollout.decode_step=compiled)",
     "ours_model_step": "ours (TIR-OTB), the model's forward as decode step (rollout.decode_step=model)",
     "ours_padded": "ours (TIR-OTB), rows padded through the update, not packed (actor.pack_rows=false)",
     "ours_ckpt": "ours (TIR-OTB), gradient checkpointing (model.enable_gradient_checkpointing=true)",
-    "ours_fp32": "ours (TIR-OTB), the rollout engine in float32 too (rollout.dtype=float32)",
+    "ours_fp32": "ours (TIR-OTB), float32 throughout, as TRL's row (model.dtype=float32 rollout.dtype=float32)",
     "ours_off1": "ours (TIR-OTB), next rollout beside the update, one step off-policy (trainer.one_step_off_policy)",
     "ours_off1_compiled": "ours (TIR-OTB), one step off-policy and the compiled decode step",
 }
@@ -740,7 +743,7 @@ OURS_EXTRA = {  # overrides of an A/B row
     "ours_model_step": ["rollout.decode_step=model"],
     "ours_padded": ["actor.pack_rows=false"],
     "ours_ckpt": ["model.enable_gradient_checkpointing=true"],
-    "ours_fp32": ["rollout.dtype=float32"],
+    "ours_fp32": ["model.dtype=float32", "rollout.dtype=float32"],
     "ours_off1": ["trainer.one_step_off_policy=true"],
     "ours_off1_compiled": ["trainer.one_step_off_policy=true", "rollout.decode_step=compiled"],
 }
@@ -757,6 +760,7 @@ TOOL_LOSS = {
     "ours_grpo": "no (response_mask = 0 on tool tokens)",
     "trl": "no (TRL's tool_mask = 0 on tool-result tokens)",
     "trl_cb": "no (TRL's tool_mask = 0 on tool-result tokens)",
+    "trl_bf16": "no (TRL's tool_mask = 0 on tool-result tokens)",
     "verl": "no (our agent loop's response_mask)",
 }
 

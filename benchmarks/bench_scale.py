@@ -22,11 +22,15 @@ prompts per step (our data cursor's order for seed 0, given to TRL unshuffled an
 size, lr 2e-4 constant, AdamW β (0.9, 0.99), grad clip 1, clip 0.2 / 0.28, no KL, one optimizer step
 per batch, token-mean loss, one process each, the same micro-batch (trajectories per forward/backward:
 ours ``actor.ppo_micro_batch_size``, TRL ``per_device_train_batch_size`` with gradient accumulation over
-the batch). Both actors train in float32. The rollout: TRL generates in float32; ``ours`` is the
-recipe's default, ``rollout.dtype=auto``: a bfloat16 copy of the weights in the engine on a CPU with
-native bfloat16 for a policy of >= 20M parameters (so from the 30m shape up on an AVX-512-BF16 VM;
-float32 everywhere on an AVX2-only one), and ``ours_fp32`` (``rollout.dtype=float32``) is ours in
-float32 throughout, as TRL; ``ours_ckpt`` adds gradient checkpointing.
+the batch). Precision: ``trl`` trains and generates in float32 (``bf16=False``); ``trl_bf16`` is TRL at
+its own default (``bf16=True``: accelerate's bfloat16 autocast over float32 weights). ``ours`` is the
+recipe's default: ``rollout.dtype=auto`` (a bfloat16 copy of the weights in the engine on a CPU with
+native bfloat16 for a policy of >= 20M parameters) and ``model.dtype=auto`` (the actor's forward and
+backward under bfloat16 autocast over float32 master weights there from 100M parameters), so float32
+everywhere on an AVX2-only VM and at the tiny shape; ``ours_fp32`` (``model.dtype=float32
+rollout.dtype=float32``) is ours in float32 throughout, as ``trl``; ``ours_ckpt`` adds gradient
+checkpointing to ``ours``. The table gives each of ours' rows against ``trl`` and, where run,
+``trl_bf16``.
 
 **Equal work with random weights**, which would otherwise stop at random points and call no tool:
 
@@ -241,24 +245,28 @@ def render_table(results: dict[str, Any]) -> str:
     rows = sorted(results["runs"].values(), key=lambda r: (r["parameters"], r["trainer"].startswith("trl")))
     head = (
         "| shape | params | vocab | batch | trainer | step s | samples/s | policy tokens/s | generation s "
-        "| old log-probs + Σπ² s | update s | peak RSS GiB | ours/TRL samples/s | ours/TRL peak RSS |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| old log-probs + Σπ² s | update s | peak RSS GiB | ours/TRL samples/s | ours/TRL peak RSS "
+        "| ours/TRL-bf16 samples/s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     out = [head]
     for r in rows:
         f, p = r.get("figures") or {}, r.get("phases") or {}
         trl = results["runs"].get(f"{r['shape']}/trl")
-        ratio = rss = "–"
+        trl16 = results["runs"].get(f"{r['shape']}/trl_bf16")
+        ratio = rss = ratio16 = "–"
         if not r["trainer"].startswith("trl") and trl and trl.get("figures") and f:
             ratio = f"{f['samples_per_s'] / trl['figures']['samples_per_s']:.2f}×"
             rss = f"{f['peak_rss_mb'] / trl['figures']['peak_rss_mb']:.2f}×"
+        if not r["trainer"].startswith("trl") and trl16 and trl16.get("figures") and f:
+            ratio16 = f"{f['samples_per_s'] / trl16['figures']['samples_per_s']:.2f}×"
         name = r["trainer"] + (" ⚠ unequal work" if r.get("equal_work") else "") + (" ✗ failed" if not f else "")
         out.append(
             f"| {r['shape']} | {r['parameters'] / 1e6:.1f}M | {r['vocab_size']:,} | {r['batch']} | {name} "
             f"| {bp._f(f.get('step_s'))} | {bp._f(f.get('samples_per_s'))} "
             f"| {bp._f(f.get('sampled_tokens_per_s'), '.0f')} "
             f"| {bp._f(p.get('generation'))} | {bp._f(p.get('old_log_prob'))} | {bp._f(p.get('update'))} "
-            f"| {_gib(f.get('peak_rss_mb'))} | {ratio} | {rss} |"
+            f"| {_gib(f.get('peak_rss_mb'))} | {ratio} | {rss} | {ratio16} |"
         )
     return "\n".join(out)
 

@@ -182,17 +182,21 @@ def test_the_table_ratios_and_growth_from_a_results_json(tmp_path):
         "30m/trl": _run("30m", "trl", 30e6, 4.0, 2048.0, 3.0, 1.0),
         "150m/ours": _run("150m", "ours", 150e6, 10.0, 3072.0, 5.0, 3.0, 2.0),
         "150m/trl": _run("150m", "trl", 150e6, 25.0, 4096.0, 15.0, 10.0),
+        "150m/trl_bf16": _run("150m", "trl_bf16", 150e6, 20.0, 4096.0, 12.0, 8.0),
     }
     runs["150m/trl"]["equal_work"] = "step 2: 2000 policy tokens (want 2048)"
     results = {"runs": runs}
     table = bs.render_table(results).splitlines()
     assert table[0].startswith("| shape | params | vocab | batch | trainer |")
-    assert [line.split(" | ")[4] for line in table[2:]] == ["ours", "trl", "ours", "trl ⚠ unequal work"]
-    # step s, samples/s, tokens/s, generation, old log-probs, update, GiB, ours/TRL samples/s and peak RSS
+    trainers = [line.split(" | ")[4] for line in table[2:]]
+    assert trainers[:3] == ["ours", "trl", "ours"] and sorted(trainers[3:]) == ["trl ⚠ unequal work", "trl_bf16"]
+    # step s, samples/s, tokens/s, generation, old log-probs, update, GiB, ours/TRL samples/s and peak RSS,
+    # ours/TRL-bf16 samples/s (– where TRL-bf16 was not run)
     assert table[2].startswith("| 30m | 30.0M | 49,152 | 4×4, R=128, micro 8 | ours |")
-    assert table[2].endswith("| ours | 2.00 | 8.00 | 1024 | 1.00 | 0.50 | 0.50 | 1.00 | 2.00× | 0.50× |")
-    assert table[3].endswith("| trl | 4.00 | 4.00 | 512 | 3.00 | 0.00 | 1.00 | 2.00 | – | – |")
-    assert table[4].endswith("| 2.50× | 0.75× |") and table[5].endswith("| 4.00 | – | – |")
+    assert table[2].endswith("| ours | 2.00 | 8.00 | 1024 | 1.00 | 0.50 | 0.50 | 1.00 | 2.00× | 0.50× | – |")
+    assert table[3].endswith("| trl | 4.00 | 4.00 | 512 | 3.00 | 0.00 | 1.00 | 2.00 | – | – | – |")
+    assert table[4].endswith("| 2.50× | 0.75× | 2.00× |")
+    assert all(line.endswith("| 4.00 | – | – | – |") for line in table[5:])
     lines = bs.growth(results)
     # ours: 5×, 4× and 6× the seconds at 5× the parameters; TRL: 5× and 10× (it computes no old log-probs)
     assert lines[0] == "ours: seconds ∝ params^slope — generation 1.00, old_log_prob 0.86, update 1.11; fastest: update"

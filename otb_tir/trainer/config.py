@@ -23,7 +23,10 @@ from otb_tir.config import load_structured, take_passthrough
 @dataclass
 class ModelConfig:
     path: str | None = None  # local HF causal LM folder; None → the built-in warm-started tiny policy
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (training params stay float32; bf16 = autocast)
+    # the actor's compute: float32 | bfloat16 | float16 (training params stay float32; bf16 = autocast).
+    # auto: bfloat16 autocast on a CPU with native bfloat16 (avx512_bf16 / AMX) for a policy of >= 100M
+    # parameters (an update measured 1.44x faster at 151M, 0.86x at 30M), else float32; logged at start
+    dtype: str = "auto"
     # recompute each decoder layer's activations in the backward instead of keeping them (verl's name;
     # transformers' gradient_checkpointing_enable, non-reentrant): an update's activations fall from
     # ~6.5 to ~0.3 GiB at Qwen3-0.6B's shape (micro-batch of 8 × ~230 tokens), for one more forward.
@@ -238,7 +241,7 @@ class Config:
 # Fixed choices. The extension points (data.task, multi_turn.format, algorithm.adv_estimator, the
 # reward section's functions, the tools) take any name their registry resolves (otb_tir.builders.check_plugins).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
     "rollout.dtype": ("float32", "bfloat16", "float16", "auto"),
     "rollout.name": ("auto", "hf", "vllm", "sglang"),
     "rollout.decode_step": ("auto", "model", "fused", "compiled"),

@@ -101,6 +101,36 @@ def rollout_dtype_for(cfg, model, device: torch.device) -> str:
     return choice
 
 
+#: model.dtype auto on a CPU with native bfloat16: the actor computes under bfloat16 autocast from this
+#: many parameters (bench_bf16, 2026-12-07, AVX-512 + avx512_bf16, 2 threads: an update 1.03x at 1.3M,
+#: 0.86x at 30M, 1.44x at 151M, 1.46x at 596M)
+BF16_AUTOCAST_MIN_PARAMS = 100_000_000
+
+
+def model_dtype_for(cfg, model, device: torch.device, *, shard: bool = False) -> str:
+    """The actor's compute dtype: ``model.dtype`` when given; auto → bfloat16 (autocast over float32
+    master weights) on a CPU that computes it natively (:func:`otb_tir.machine.native_bf16`) for a policy
+    of at least :data:`BF16_AUTOCAST_MIN_PARAMS` parameters, unsharded, where it measured faster; else
+    float32, on a GPU too (set ``model.dtype=bfloat16`` there). Decided at start and logged."""
+    if cfg.model.dtype != "auto":
+        return str(cfg.model.dtype)
+    if device.type != "cpu" or shard:
+        return "float32"
+    from otb_tir.machine import native_bf16
+
+    params = sum(p.numel() for p in model.parameters())
+    native = native_bf16()
+    choice = "bfloat16" if native and params >= BF16_AUTOCAST_MIN_PARAMS else "float32"
+    log.info(
+        "model.dtype auto -> %s (CPU bfloat16: %s; policy %.1fM parameters, bfloat16 autocast from %.0fM)",
+        choice,
+        native or "emulated only",
+        params / 1e6,
+        BF16_AUTOCAST_MIN_PARAMS / 1e6,
+    )
+    return choice
+
+
 def build_optimizer(cfg, model):
     """AdamW over ``model``'s parameters and its schedule (``actor.optim``: warmup, constant | cosine).
 
@@ -214,17 +244,16 @@ def build_parts(
             )
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         log.info("gradient checkpointing on: each decoder layer's activations are recomputed in the backward")
-    low_precision = None if cfg.model.dtype == "float32" else getattr(torch, cfg.model.dtype)
+    model_dtype = model_dtype_for(cfg, model, device, shard=shard)
+    low_precision = None if model_dtype == "float32" else getattr(torch, model_dtype)
     autocast = None
     if low_precision is not None and device.type == "cpu" and low_precision == torch.bfloat16 and not shard:
         from otb_tir.machine import native_bf16
 
-        # the CPU's bfloat16 autocast over float32 weights: 1.44x faster an update at 151M parameters,
-        # 0.86x at 30M, 1.03x at 1.3M with avx512_bf16 (bench_bf16, 2026-12-07); emulated without it
         autocast = low_precision
         log.info("model.dtype=bfloat16 on the CPU: autocast (%s)", native_bf16() or "no native bfloat16: emulated")
     elif low_precision is not None and device.type != "cuda":
-        log.warning("model.dtype=%s needs a GPU here; training in float32 on %s", cfg.model.dtype, device)
+        log.warning("model.dtype=%s needs a GPU here; training in float32 on %s", model_dtype, device)
     elif low_precision is not None and not shard:
         autocast = low_precision
     ref_model = None
@@ -336,6 +365,7 @@ def _serving_engine(cfg: Any, path: Path | None, shard: bool, policy: Any) -> An
     kwargs = OmegaConf.to_container(cfg.rollout.engine_kwargs, resolve=True) if cfg.rollout.engine_kwargs else {}
     # rollout.dtype when given, else the actor's (auto: no bfloat16 rule for a serving engine here)
     dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else cfg.model.dtype
+    dtype = "float32" if dtype == "auto" else dtype  # model.dtype auto's rule needs the model in memory
     try:
         return serving_engine(name, path, dtype=dtype, seed=cfg.trainer.seed, engine_kwargs=kwargs)
     except EngineError as e:
