@@ -22,6 +22,19 @@ def resolve_policy(cfg: Any) -> Path:
     (:func:`agent_env.cache.publish`) and the others find it there."""
     from otb_tir.builders import policy_path, task
 
+    if cfg.model.cold_start.base:
+        if cfg.model.path:
+            from otb_tir import ConfigError
+
+            raise ConfigError(
+                f"model.cold_start.base={cfg.model.cold_start.base} and model.path={cfg.model.path}: RL starts "
+                "from the cold start's SFT'd folder; unset one of them"
+            )
+        cfg.model.path = str(_cold_start(cfg))
+    elif cfg.model.path == "smollm2":
+        from otb_tir.defaults.cold_start import named_model
+
+        cfg.model.path = str(named_model("smollm2"))
     if not cfg.model.path:
         from otb_tir.defaults.warm_start import task_warm_start
 
@@ -35,3 +48,40 @@ def resolve_policy(cfg: Any) -> Path:
             )
         )
     return policy_path(cfg)
+
+
+def _cold_start(cfg: Any) -> Path:
+    """``model.cold_start``'s SFT'd folder (cached): the task's traces with the run's tools, under
+    bfloat16 autocast where ``model.dtype`` (auto: :func:`otb_tir.trainer.parts.model_dtype_for`) says so."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from otb_tir import ConfigError
+    from otb_tir.builders import task
+    from otb_tir.defaults.cold_start import ColdStartSettings, cold_start_policy, named_model
+    from otb_tir.trainer.parts import model_dtype_for
+
+    c = cfg.model.cold_start
+    from otb_tir.defaults.traces import DEFAULT_TOOLS
+
+    names = cfg.multi_turn.tools or task(cfg).tools or DEFAULT_TOOLS  # the tools the run's prompts list
+    if "calculator" not in names or cfg.multi_turn.tool_config_path or cfg.multi_turn.get("mcp_servers"):
+        raise ConfigError(
+            "model.cold_start: the traces call the built-in calculator and render the built-in tools' schemas; "
+            f"multi_turn.tools={list(names)} (and no tool_config_path / mcp_servers) must include calculator"
+        )
+    base = named_model(c.base)
+    with torch.device("meta"):  # the parameter count of the rule, without the weights
+        counted = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    dtype = model_dtype_for(cfg, counted, torch.device("cpu"))
+    settings = ColdStartSettings(
+        steps=c.steps,
+        batch_size=c.batch_size,
+        lr=c.lr,
+        n_traces=c.n_traces,
+        seed=0,
+        task=cfg.data.task,
+        tools=tuple(names),
+        dtype="bfloat16" if dtype == "bfloat16" else "float32",
+    )
+    return cold_start_policy(base, settings)

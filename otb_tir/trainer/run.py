@@ -107,8 +107,12 @@ def _summary_head(cfg, parts, tools, world: int) -> dict[str, Any]:
     """What the run is: the model, estimator, engine, seed, steps, tools, plugins, the held-out set."""
     from otb_tir.machine import cpu_kernels
 
+    cold = cfg.model.get("cold_start")
     return {
         "model": str(parts.policy_path),
+        # the folder RL started from: model.cold_start's SFT'd one when set (its base and settings below)
+        "start_model": str(parts.policy_path),
+        **({"cold_start": OmegaConf.to_container(cold, resolve=True)} if cold is not None and cold.base else {}),
         "adv_estimator": cfg.algorithm.adv_estimator,
         "engine": cfg.rollout.name,  # the rollout engine: hf, or a serving engine (vllm, sglang)
         "seed": cfg.trainer.seed,
