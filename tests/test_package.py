@@ -53,6 +53,7 @@ def venv(tmp_path_factory) -> Path:
         "otb_tir/configs/tir_math_cpu.yaml",
         "otb_tir/configs/eval_tool_use.yaml",
         "otb_tir/configs/tir_math_qwen3_8b_gpu.yaml",
+        "otb_tir/configs/tir_math_smollm2.yaml",
         "otb_tir/verl/configs/agent_loop.yaml",
         "otb_tir/defaults/chat_template.jinja",
         "otb_tir/fused_otb.c",

@@ -131,7 +131,7 @@ def test_shipped_configs_are_valid():
 
     paths = sorted(CONFIG_DIR.glob("*.yaml"))
     # tir_math_qwen3_8b_gpu is also checked key by key against verl's config: tests/otb_tir/verl/test_seed_gpu_config.py
-    assert {p.stem for p in paths} == {"tir_math_cpu", "eval_tool_use", "tir_math_qwen3_8b_gpu"}
+    assert {p.stem for p in paths} == {"tir_math_cpu", "eval_tool_use", "tir_math_qwen3_8b_gpu", "tir_math_smollm2"}
     for path in paths:
         if path.name.startswith("eval_"):  # evaluation configs have their own schema
             from otb_tir.evaluation import load_eval_config
