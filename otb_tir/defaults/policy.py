@@ -22,7 +22,7 @@ def resolve_policy(cfg: Any) -> Path:
     (:func:`agent_env.cache.publish`) and the others find it there."""
     from otb_tir.builders import policy_path, task
 
-    if cfg.model.cold_start.base:
+    if cfg.model.cold_start.base and not _is_cold_start(cfg.model.path):
         if cfg.model.path:
             from otb_tir import ConfigError
 
@@ -50,6 +50,11 @@ def resolve_policy(cfg: Any) -> Path:
     return policy_path(cfg)
 
 
+def _is_cold_start(path: str | None) -> bool:
+    """A folder this resolution already made (resolving twice, e.g. on every rank, keeps it)."""
+    return bool(path) and (Path(str(path)) / "otb_tir_cold_start.json").is_file()
+
+
 def _cold_start(cfg: Any) -> Path:
     """``model.cold_start``'s SFT'd folder (cached): the task's traces with the run's tools, under
     bfloat16 autocast where ``model.dtype`` (auto: :func:`otb_tir.trainer.parts.model_dtype_for`) says so."""
@@ -59,11 +64,10 @@ def _cold_start(cfg: Any) -> Path:
     from otb_tir import ConfigError
     from otb_tir.builders import task
     from otb_tir.defaults.cold_start import ColdStartSettings, cold_start_policy, named_model
+    from otb_tir.defaults.traces import DEFAULT_TOOLS
     from otb_tir.trainer.parts import model_dtype_for
 
     c = cfg.model.cold_start
-    from otb_tir.defaults.traces import DEFAULT_TOOLS
-
     names = cfg.multi_turn.tools or task(cfg).tools or DEFAULT_TOOLS  # the tools the run's prompts list
     if "calculator" not in names or cfg.multi_turn.tool_config_path or cfg.multi_turn.get("mcp_servers"):
         raise ConfigError(

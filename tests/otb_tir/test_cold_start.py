@@ -110,6 +110,11 @@ def test_the_recipe_cold_starts_and_names_the_folder_rl_started_from(tmp_path, t
     assert start.parent == cache and start.name.startswith("cold-") and (start / "otb_tir_cold_start.json").is_file()
     assert summary["cold_start"]["base"] == str(tiny_model_dir) and summary["cold_start"]["steps"] == 3
     assert "before" in summary and "after" in summary
+    # resolving the run's own config again (another rank, the verl launch) keeps the folder
+    from otb_tir.defaults.policy import resolve_policy
+
+    cfg = load_config(work / "run" / "config.yaml")
+    assert resolve_policy(cfg) == start
 
 
 @pytest.mark.slow
