@@ -32,11 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_verl_learns import run_one  # the script's folder is on sys.path
 
-from bench_verl_learns import run_one  # noqa: E402
-
-from otb_tir.machine import describe, native_bf16, speed_reference  # noqa: E402
+from otb_tir.machine import describe, native_bf16, speed_reference
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "tir_math_smollm2"
