@@ -86,19 +86,7 @@ def rollout_dtype_for(cfg, model, device: torch.device) -> str:
         return str(cfg.rollout.dtype)
     if device.type != "cpu":
         return "float32"
-    from otb_tir.machine import native_bf16
-
-    params = sum(p.numel() for p in model.parameters())
-    native = native_bf16()
-    choice = "bfloat16" if native and params >= BF16_ROLLOUT_MIN_PARAMS else "float32"
-    log.info(
-        "rollout.dtype auto -> %s (CPU bfloat16: %s; policy %.1fM parameters, bfloat16 from %.0fM)",
-        choice,
-        native or "emulated only",
-        params / 1e6,
-        BF16_ROLLOUT_MIN_PARAMS / 1e6,
-    )
-    return choice
+    return _bf16_where_native(model, BF16_ROLLOUT_MIN_PARAMS, "rollout.dtype", "bfloat16")
 
 
 #: model.dtype auto on a CPU with native bfloat16: the actor computes under bfloat16 autocast from this
@@ -116,17 +104,25 @@ def model_dtype_for(cfg, model, device: torch.device, *, shard: bool = False) ->
         return str(cfg.model.dtype)
     if device.type != "cpu" or shard:
         return "float32"
+    return _bf16_where_native(model, BF16_AUTOCAST_MIN_PARAMS, "model.dtype", "bfloat16 autocast")
+
+
+def _bf16_where_native(model, min_params: int, key: str, what: str) -> str:
+    """The auto rule of both dtypes on the CPU: bfloat16 where the CPU computes it natively and the policy
+    has at least ``min_params`` parameters, else float32; logged with what it was decided from."""
     from otb_tir.machine import native_bf16
 
     params = sum(p.numel() for p in model.parameters())
     native = native_bf16()
-    choice = "bfloat16" if native and params >= BF16_AUTOCAST_MIN_PARAMS else "float32"
+    choice = "bfloat16" if native and params >= min_params else "float32"
     log.info(
-        "model.dtype auto -> %s (CPU bfloat16: %s; policy %.1fM parameters, bfloat16 autocast from %.0fM)",
+        "%s auto -> %s (CPU bfloat16: %s; policy %.1fM parameters, %s from %.0fM)",
+        key,
         choice,
         native or "emulated only",
         params / 1e6,
-        BF16_AUTOCAST_MIN_PARAMS / 1e6,
+        what,
+        min_params / 1e6,
     )
     return choice
 
