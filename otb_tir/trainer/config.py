@@ -39,7 +39,8 @@ class ModelConfig:
     path: str | None = None
     # the actor's compute: float32 | bfloat16 | float16 (training params stay float32; bf16 = autocast).
     # auto: bfloat16 autocast on a CPU with native bfloat16 (avx512_bf16 / AMX) for a policy of >= 100M
-    # parameters (an update measured 1.44x faster at 151M, 0.86x at 30M), else float32; logged at start
+    # parameters (an update measured 1.44x faster at 151M, 0.86x at 30M), else float32; logged at start.
+    # trainer=verl: verl's FSDP mixed_precision.param_dtype (auto: the same rule on a CPU, verl's own on GPU)
     dtype: str = "auto"
     # recompute each decoder layer's activations in the backward instead of keeping them (verl's name;
     # transformers' gradient_checkpointing_enable, non-reentrant): an update's activations fall from

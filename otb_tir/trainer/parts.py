@@ -107,6 +107,19 @@ def model_dtype_for(cfg, model, device: torch.device, *, shard: bool = False) ->
     return _bf16_where_native(model, BF16_AUTOCAST_MIN_PARAMS, "model.dtype", "bfloat16 autocast")
 
 
+def model_dtype_for_folder(cfg, path) -> str:
+    """:func:`model_dtype_for` on the CPU for the model in folder ``path``, counted without its weights
+    (a meta-device copy): for a run that does not build the actor in this process (the cold start,
+    trainer=verl's CPU profile)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.model.dtype != "auto":
+        return str(cfg.model.dtype)
+    with torch.device("meta"):
+        counted = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return model_dtype_for(cfg, counted, torch.device("cpu"))
+
+
 def _bf16_where_native(model, min_params: int, key: str, what: str) -> str:
     """The auto rule of both dtypes on the CPU: bfloat16 where the CPU computes it natively and the policy
     has at least ``min_params`` parameters, else float32; logged with what it was decided from."""

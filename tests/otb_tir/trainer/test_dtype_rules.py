@@ -81,3 +81,18 @@ def test_an_unknown_model_dtype_is_refused_at_start():
     with pytest.raises(ConfigError, match="model.dtype"):
         load_config(None, ["model.dtype=bf16"])
     assert OmegaConf.select(load_config(None, ["model.dtype=auto"]), "model.dtype") == "auto"
+
+
+@pytest.mark.parametrize(
+    ("shape", "native", "want"),
+    [("qwen3-0.6b", "avx512_bf16", "bfloat16"), ("qwen3-0.6b", "", "float32"), ("30m", "avx512_bf16", "float32")],
+)
+def test_the_folder_rule_counts_the_config_without_weights(tmp_path, monkeypatch, shape, native, want):
+    """A run that does not build the actor here (the cold start, trainer=verl) decides from the folder's
+    config.json alone: the same rule on a meta-device copy, no weights read or allocated."""
+    from otb_tir.defaults.shapes import shape_config
+
+    shape_config(shape).save_pretrained(tmp_path)  # a config.json and nothing else
+    monkeypatch.setattr("otb_tir.machine.native_bf16", lambda: native)
+    assert parts.model_dtype_for_folder(_cfg(), tmp_path) == want
+    assert parts.model_dtype_for_folder(_cfg(**{"model.dtype": "float16"}), tmp_path) == "float16"

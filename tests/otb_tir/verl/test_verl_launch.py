@@ -553,3 +553,54 @@ def test_the_runs_length_is_given_once(tiny_model_dir, tmp_path):
         _cfg(tiny_model_dir, tmp_path / "b", "trainer.total_steps=0", "verl.trainer.total_training_steps=3")
     )
     assert v.trainer.total_training_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("given", "native", "big", "want"),
+    [
+        (None, "avx512_bf16", False, "fp32"),  # the tiny policy: float32 on every CPU
+        ("auto", "avx512_bf16", True, "bf16"),  # >= 100M parameters where the CPU computes bf16 natively
+        ("auto", "", True, "fp32"),  # an AVX2-only CPU emulates bf16: slower
+        ("bfloat16", "", False, "bf16"),
+        ("float32", "avx512_bf16", True, "fp32"),
+    ],
+)
+def test_model_dtype_reaches_verls_fsdp_param_dtype_on_the_cpu(
+    tiny_model_dir, tmp_path, monkeypatch, given, native, big, want
+):
+    """model.dtype is verl's actor and reference FSDP mixed_precision.param_dtype (verl's FSDP engine
+    computes under autocast of it; reductions and buffers stay float32): auto follows the local trainer's
+    rule for the model's size and this CPU, decided at start."""
+    import shutil
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.torch_dtypes import PrecisionType
+
+    from otb_tir.defaults.shapes import shape_config
+    from otb_tir.verl.compose import compose_verl_config
+
+    model = tiny_model_dir
+    if big:  # the tiny policy's tokenizer beside a config of Qwen3-0.6B's shape (counted, never loaded)
+        model = tmp_path / "big"
+        shutil.copytree(tiny_model_dir, model)
+        shape_config("qwen3-0.6b").save_pretrained(model)
+    monkeypatch.setattr("otb_tir.machine.native_bf16", lambda: native)
+    extra = [] if given is None else [f"model.dtype={given}"]
+    cfg = _cfg(model, tmp_path, "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", *extra)
+    v = compose_verl_config(cfg)
+    mp = omega_conf_to_dataclass(v.actor_rollout_ref.actor).fsdp_config.mixed_precision  # verl's own reading
+    assert PrecisionType.to_dtype(mp["param_dtype"]) == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
+    for role in (v.actor_rollout_ref.actor, v.actor_rollout_ref.ref):
+        mp = role.fsdp_config.mixed_precision
+        assert mp.param_dtype == want and mp.reduce_dtype == mp.buffer_dtype == "fp32"
+
+
+def test_a_given_model_dtype_reaches_verl_on_an_accelerator_and_auto_keeps_verls_own(tiny_model_dir, tmp_path):
+    from otb_tir.verl.compose import compose_verl_config
+
+    gpu = ("trainer.device=cuda", "trainer.n_gpus_per_node=1", "trainer.nnodes=1")
+    v = compose_verl_config(_cfg(tiny_model_dir, tmp_path, *gpu, "model.dtype=float32"), cpu=False)
+    assert v.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
+    assert v.actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype == "fp32"
+    v = compose_verl_config(_cfg(tiny_model_dir, tmp_path, *gpu), cpu=False)
+    assert OmegaConf.select(v, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype") in (None, "bf16")
