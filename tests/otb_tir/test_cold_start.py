@@ -150,3 +150,24 @@ def test_the_smollm2_config_runs_one_step_from_another_folder(tmp_path, smollm2_
     assert record["key"]["settings"]["dtype"] == ("bfloat16" if native_bf16() else "float32")
     assert summary["cold_start"]["base"] == "smollm2" and summary["steps"] == 1
     assert "model.dtype auto -> " in proc.stderr
+
+
+def test_the_bfloat16_sft_trains_the_weights_it_updates(tiny_model_factory, tiny_tokenizer):
+    """The cold start's one autocast context spans every SFT step: its forwards must see each update
+    (torch's autocast cache would keep the first step's bfloat16 weights). Memorizing 4 traces, the
+    bfloat16 loss curve follows the float32 one."""
+    from otb_tir.defaults.cold_start import COLD_MIXTURE, training_context
+    from otb_tir.defaults.traces import make_traces
+    from otb_tir.trainer.sft import SFTConfig, sft_train, tokenize_conversation
+
+    examples = [tokenize_conversation(tiny_tokenizer, m) for m in make_traces(4, seed=0, mixture=COLD_MIXTURE)]
+    cfg = SFTConfig(steps=12, batch_size=4, lr=3e-3, warmup_steps=1, progress=False)
+    curves = {}
+    for dtype in ("float32", "bfloat16"):
+        model = tiny_model_factory().train()
+        with training_context(dtype):
+            curves[dtype] = sft_train(model, examples, tiny_tokenizer.pad_token_id, cfg)
+    f32, b16 = curves["float32"], curves["bfloat16"]
+    assert f32[-1] < 0.6 * f32[0]  # it learns them (7.7 -> 4.0 here)
+    # within 10 % of float32 (measured 3.982 against 3.981; with the cache: 7.2)
+    assert abs(b16[-1] - f32[-1]) < 0.1 * f32[-1], (f32, b16)
