@@ -90,9 +90,14 @@ def evaluate(model: Path, out: Path, name: str, overrides: list[str], timeout: f
     }
 
 
-def stats(xs: list[float], fmt: str = ".2f") -> str:
-    xs = [x for x in xs if x is not None]
-    return f"{sum(xs) / len(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]" if xs else "–"
+def stats(xs: list[float | None], fmt: str = ".2f") -> str:
+    """Mean [min, max] of the values given (one value: itself); "–" where there is none (a tool success
+    rate of a model that never calls)."""
+    xs = [x for x in xs if x is not None and x == x]
+    if not xs:
+        return "–"
+    mean = f"{sum(xs) / len(xs):{fmt}}"
+    return mean if len(xs) == 1 else f"{mean} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     for stage, r in (("base", results["base"]), ("after the cold start", results.get("cold"))):
         if r:
             print(
-                f"| {stage} | – | {r['accuracy_tools']:.2f} | {r['accuracy_no_tools']:.2f} | {r['tool_call_rate']:.2f} "
-                f"| {r['tool_success_rate']:.2f} | {r['response_length']:.0f} |"
+                f"| {stage} | – | {stats([r['accuracy_tools']])} | {stats([r['accuracy_no_tools']])} "
+                f"| {stats([r['tool_call_rate']])} | {stats([r['tool_success_rate']])} "
+                f"| {stats([r['response_length']], '.0f')} |"
             )
     for est in [e for e in a.estimators.split(",") if e]:
         rs = [r for r in results["runs"].values() if r.get("estimator") == est]
