@@ -203,6 +203,12 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # checkpoints kept (older ones are pruned)
     resume: bool = False  # continue from the run folder's last checkpoint (--resume)
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + wandb
+    # every step's trajectories (verl's name): one Parquet file per step, step_000012.parquet, with each
+    # trajectory's turns, tool calls and reward, and per token the mask, log-probs, Σπ², W_t, B_t, A_t
+    # (docs/training.md#what-training-did). Relative to output_dir; null or "" = no dumps.
+    rollout_data_dir: str | None = "rollout_data"
+    rollout_data_every: int = 1  # dump every N steps, and the last (0 = never)
+    rollout_data_max_bytes: int = 1073741824  # no more dumps once the folder holds this many bytes (a warning)
     project_name: str = "otb-tir"  # wandb / verl project name
     experiment_name: str = "tir_math"  # wandb / verl experiment name
     n_gpus_per_node: int = 1  # verl path
@@ -366,6 +372,9 @@ def _check_ranges(cfg: DictConfig) -> None:
             raise ConfigError(f"'{key}' must be > 0; got {OmegaConf.select(cfg, key)}")
     if cfg.trainer.total_steps < 0:
         raise ConfigError("'trainer.total_steps' must be >= 0")
+    for key in ("trainer.rollout_data_every", "trainer.rollout_data_max_bytes"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"'{key}' must be >= 0; got {OmegaConf.select(cfg, key)}")
     if cfg.trainer.name == "local":
         _check_untruncated_sampling(cfg)
     group_baselines = ("grpo", "rloo", "optimal_token_baseline", "tir_optimal_token_baseline")

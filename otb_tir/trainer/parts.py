@@ -28,6 +28,7 @@ from otb_tir.builders import episode_config, policy_path, task_split
 from otb_tir.trainer.actor import ActorSettings
 from otb_tir.trainer.data import DataCursor
 from otb_tir.trainer.distributed import DistInfo
+from otb_tir.trainer.dumps import DumpSettings
 from otb_tir.trainer.logging import MetricsLogger
 from otb_tir.trainer.settings import TrainerSettings
 
@@ -206,8 +207,19 @@ def trainer_settings(cfg, autocast_dtype: torch.dtype | None = None) -> TrainerS
         one_step_off_policy=t.one_step_off_policy,
         rollout_is_threshold=alg.rollout_is_threshold,
         filters=OmegaConf.to_object(f),  # the typed FilterConfig
+        dumps=dump_settings(cfg),
         actor=actor_settings(cfg, autocast_dtype),
     )
+
+
+def dump_settings(cfg) -> DumpSettings:
+    """``trainer.rollout_data_*``: the folder relative to the run folder (None: no dumps)."""
+    t = cfg.trainer
+    folder = None
+    if t.rollout_data_dir:
+        folder = Path(t.rollout_data_dir).expanduser()
+        folder = folder if folder.is_absolute() else Path(t.output_dir) / folder
+    return DumpSettings(dir=folder, every=int(t.rollout_data_every), max_bytes=int(t.rollout_data_max_bytes))
 
 
 def build_parts(

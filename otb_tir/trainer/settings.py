@@ -11,6 +11,7 @@ from pathlib import Path
 
 from otb_tir.trainer.actor import ActorSettings
 from otb_tir.trainer.config import FilterConfig
+from otb_tir.trainer.dumps import DumpSettings
 
 
 @dataclass(frozen=True)
@@ -37,4 +38,5 @@ class TrainerSettings:
     # update old (off-policy; rollout_is corrects for it), steps shorter by up to the smaller of the two
     one_step_off_policy: bool = False
     filters: FilterConfig = field(default_factory=FilterConfig)  # algorithm.filter, the config's own record
+    dumps: DumpSettings = field(default_factory=DumpSettings)  # trainer.rollout_data_* (default: none)
     actor: ActorSettings = field(default_factory=ActorSettings)

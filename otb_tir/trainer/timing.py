@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Mapping
 # (parsing, chat templates, tokenizing, scheduling) and padding the batch (collate). Then the
 # old log-prob pass (log-prob, entropy and Σπ² together), the reference model, the advantage
 # (reward placement, IS weights, estimator, filters), the PPO update, the weight sync, the step's
-# metrics, what lies between those timers (timing/step_other_s), the held-out evaluation, and
-# after the row is complete, writing it and the checkpoint.
+# metrics, its dump (trainer.rollout_data_dir), what lies between those timers (timing/step_other_s),
+# the held-out evaluation, and after the row is complete, writing it and the checkpoint.
 STEP_PHASES = (
     "timing/gen_s",
     "timing/tool_wait_s",
@@ -32,6 +32,7 @@ STEP_PHASES = (
     "timing/update_s",
     "timing/weight_sync_s",
     "timing/metrics_s",
+    "timing/dump_s",
     "timing/step_other_s",
     "timing/eval_s",
 )

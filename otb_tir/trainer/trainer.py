@@ -39,7 +39,8 @@ from otb_tir.trainer.checkpoint import (
     save_distributed_checkpoint,
     set_rng_state,
 )
-from otb_tir.trainer.distributed import gather_objects, shard_items
+from otb_tir.trainer.distributed import gather_objects, gather_tensors, shard_items
+from otb_tir.trainer.dumps import StepDumper, token_tensors
 from otb_tir.trainer.parts import Parts
 from otb_tir.trainer.ppo import Advantages
 from otb_tir.trainer.settings import TrainerSettings
@@ -98,6 +99,8 @@ class Trainer:
         self.steps_without_signal = 0  # steps whose groups all had equal rewards (train/zero_advantage_frac = 1)
         self._ahead: _Ahead | None = None  # the next step's rollout, done beside this step's update
         self._engine_behind = False  # the engine lacks the last update's weights (it was rolling out)
+        # every rank takes part in a due step's gathers (the same decision everywhere); rank 0 writes
+        self.dumper = StepDumper(s.dumps, s.total_steps, writer=self.rank == 0)
         if s.one_step_off_policy and self.world > 1:
             raise ConfigError(
                 "trainer.one_step_off_policy runs in one process only (not under torchrun: the update's "
@@ -192,6 +195,9 @@ class Trainer:
         with timer("metrics"):
             metrics = step_metrics(batch, old, adv, actor_metrics, timer.seconds, s, world=self.world, lr=lr_used)
         metrics["timing/metrics_s"] = timer.seconds["timing/metrics_s"]
+        with timer("dump"):
+            self._dump(batch, old, adv, lag=int(ahead is not None))
+        metrics["timing/dump_s"] = timer.seconds["timing/dump_s"]
         metrics["timing/step_s"] = timer.elapsed()
         metrics.update(timer.memory)  # per phase: the process's peak resident set so far, and now
         # CPU seconds of this process's threads over the step (tool sandboxes are other processes): over
@@ -200,6 +206,17 @@ class Trainer:
         inner = [k for k in STEP_PHASES if k in metrics and k != "timing/eval_s"]
         metrics["timing/step_other_s"] = max(metrics["timing/step_s"] - sum(metrics[k] for k in inner), 0.0)
         return StepResult(metrics, batch)
+
+    def _dump(self, batch: RolloutBatch, old: TokenStats, adv: Advantages, lag: int) -> None:
+        """This step's trajectories into ``trainer.rollout_data_dir`` when due (all ranks' rows, rank 0
+        writes); ``lag``: updates between the sampling weights and this step's (1 one step off-policy)."""
+        step = self.step + 1
+        if not self.dumper.due(step):
+            return
+        trajs = gather_objects(batch.trajectories, self.world)
+        tensors = gather_tensors(token_tensors(batch, old, adv), self.world)
+        if self.rank == 0:
+            self.dumper.write(step, trajs, tensors, policy_version=self.step - lag)
 
     def _rollout_step(self) -> RolloutBatch:
         """This step's rollout, with the engine's current weights."""

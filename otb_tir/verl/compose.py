@@ -113,6 +113,22 @@ def actor_param_dtype(cfg: DictConfig, model_path: str, *, cpu: bool) -> str | N
     return VERL_PARAM_DTYPES[model_dtype_for_folder(cfg, model_path)]
 
 
+def verl_rollout_data_dir(cfg: DictConfig) -> None:
+    """verl's ``trainer.rollout_data_dir``: None for now, said at start when ours is on. verl 0.9.1 dumps
+    generations (one JSONL file per step, no per-token fields) in its legacy and V1 trainers alike
+    (trainer/ppo/v1/trainer_base.py:506), but that has not run under our V1 modes yet."""
+    import logging
+
+    from otb_tir.trainer.parts import dump_settings
+
+    if dump_settings(cfg).dir is not None:
+        logging.getLogger(__name__).warning(
+            "trainer.rollout_data_dir: the verl path writes no step dumps yet (the local trainer does); "
+            "verl's own, untested here: verl.overrides=[trainer.rollout_data_dir=/path]"
+        )
+    return None
+
+
 def _check_supported(cfg: DictConfig) -> None:
     if cfg.rollout.name not in ("vllm", "sglang"):
         raise ConfigError(
@@ -275,7 +291,7 @@ def compose_verl_config(cfg: DictConfig, overrides: Sequence[str] = (), *, cpu: 
         "trainer.project_name": cfg.trainer.project_name,
         "trainer.experiment_name": cfg.trainer.experiment_name,
         "trainer.logger": [_LOGGERS[name] for name in cfg.trainer.loggers if _LOGGERS.get(name)],
-        "trainer.rollout_data_dir": None,
+        "trainer.rollout_data_dir": verl_rollout_data_dir(cfg),  # None, and a warning where ours is on
     }
     if cfg.model.get("enable_gradient_checkpointing") is not None:  # null: verl's own (the CPU profile's off)
         settings[GRADIENT_CHECKPOINTING] = bool(cfg.model.enable_gradient_checkpointing)
