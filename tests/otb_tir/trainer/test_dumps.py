@@ -141,7 +141,12 @@ def test_the_default_recipe_dumps_its_steps_from_another_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted((out / "rollout_data").glob("*.parquet"))
     assert [f.name for f in files] == ["step_000001.parquet", "step_000002.parquet"]
-    table = pq.read_table(files[-1], columns=["uid", "reward", "turns", "advantages"])
+    table = pq.read_table(files[-1], columns=["uid", "reward", "response_ids", "advantages"])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert table.num_rows == metrics[-1].get("rollout/trajectories", table.num_rows)
+    cfg = load_config(out / "config.yaml")
+    assert table.num_rows == cfg.data.train_batch_size * cfg.rollout.n  # every trajectory of the step
+    assert len(set(table.column("uid").to_pylist())) == cfg.data.train_batch_size  # one group per prompt
+    # the same episodes the step's metrics describe
     assert abs(np.mean(table.column("reward").to_pylist()) - metrics[-1]["reward/mean"]) < 1e-6
+    lengths = [len(x) for x in table.column("response_ids").to_pylist()]
+    assert abs(np.mean(lengths) - metrics[-1]["response/length_mean"]) < 1e-6
