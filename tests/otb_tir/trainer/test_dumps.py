@@ -21,27 +21,12 @@ from otb_tir.trainer.distributed import DistInfo
 from otb_tir.trainer.dumps import TOKEN_COLUMNS, TRAJECTORY_COLUMNS, read_step
 from otb_tir.trainer.parts import build_parts, trainer_settings
 from otb_tir.trainer.trainer import Trainer
+from tests.otb_tir.trainer.test_trainer import SMALL as TRAINER_SMALL
+from tests.otb_tir.trainer.test_trainer import _length_reward
 from tests.support.optional import need
 
 ROOT = Path(__file__).resolve().parents[3]
-SMALL = [
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=4",
-    "rollout.response_length=48",
-    "rollout.max_tokens_per_turn=24",
-    "multi_turn.max_assistant_turns=2",
-    "multi_turn.tools=[calculator]",
-    "multi_turn.tool_timeout=60",
-    "data.train_size=16",
-    "data.val_size=4",
-    "trainer.loggers=[jsonl]",
-    "trainer.save_every=0",
-]
-
-
-def _length_reward(text, ground_truth, traj):
-    return len(set(traj.response_ids)) / 48.0  # differs between a group's samples: nonzero advantages
+SMALL = [*TRAINER_SMALL, "trainer.save_every=0"]  # test_trainer's small run, no checkpoints
 
 
 def _fit(tmp_path, tiny_model_dir, *overrides):
