@@ -151,7 +151,9 @@ EQUIVALENT = [
 
 @pytest.mark.parametrize("pred,gold", EQUIVALENT)
 def test_ordinary_equivalent_answers_still_score_one(pred, gold):
-    assert math_reward(f"The answer is \\boxed{{{pred}}}.", gold, config=CFG).reward == 1.0
+    # the shipped bound (5 s), not the tests' 1 s: on a loaded 2-core machine (CI beside a benchmark,
+    # 2026-12-08) sympy's (x+1)^2 = x^2+2x+1 took more than 1 s
+    assert math_reward(f"The answer is \\boxed{{{pred}}}.", gold, config=RewardConfig()).reward == 1.0
 
 
 def test_ordinary_answers_score_the_same_in_a_thread_pool():
