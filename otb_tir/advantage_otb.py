@@ -73,10 +73,24 @@ def path_weights(
 ) -> torch.Tensor:
     """``W_t·mask_t`` ([B, R], float32): the cumulative path-variance proxy both OTB estimators weight
     a group's returns by (the same values: tool tokens add nothing to a row's running sum)."""
+    zeros = torch.zeros_like(response_mask, dtype=torch.float32)
+    return returns_and_path_weights(zeros, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights)[1]
+
+
+def returns_and_path_weights(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G_t·mask_t, W_t·mask_t)`` ([B, R], float32): the reward-to-go and the path-variance proxy the
+    OTB estimators compute, in their summation order (G bit-identical to verl's returns)."""
     maskf = response_mask.to(torch.float32)
-    zeros = torch.zeros_like(maskf)
-    _, weights, _ = _returns_and_weights(zeros, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, torch.float32)
-    return weights
+    returns, weights, _ = _returns_and_weights(
+        token_level_rewards, maskf, old_log_probs, sum_pi_squared, rollout_is_weights, torch.float32
+    )
+    return returns, weights
 
 
 def _contiguous_group_size(group: torch.Tensor, n_groups: int, members: torch.Tensor) -> int:

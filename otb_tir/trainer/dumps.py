@@ -119,18 +119,20 @@ def _rows(
 
 def token_tensors(batch: Any, old: Any, adv: Any) -> dict[str, torch.Tensor]:
     """The per-token ``[b, R]`` columns of a step from its batch, old statistics and advantages."""
-    from otb_tir.advantage_otb import path_weights
+    from otb_tir.advantage_otb import returns_and_path_weights
 
     mask = batch["response_mask"].float()
-    rewards = batch["token_level_rewards"].float() * mask
-    returns = rewards.flip(-1).cumsum(-1).flip(-1) * mask  # G_t = Σ_{j ≥ t} r_j (the reward sits on the last)
-    a = adv.advantages.float()
     is_w = adv.rollout_is_weights
+    # G_t = Σ_{j ≥ t} r_j·mask_j and W_t, as the OTB estimators compute them
+    returns, weights = returns_and_path_weights(
+        batch["token_level_rewards"], mask, old.log_probs, old.sum_pi_squared, is_w
+    )
+    a = adv.advantages.float()
     return {
         "rollout_log_probs": batch["rollout_log_probs"].float(),
         "old_log_probs": old.log_probs.float(),
         "sum_pi_squared": old.sum_pi_squared.float(),
-        "path_weight": path_weights(mask, old.log_probs, old.sum_pi_squared, is_w),
+        "path_weight": weights,
         "returns": returns,
         "baseline": (returns - a) * mask,
         "advantages": a,
